@@ -1,0 +1,267 @@
+"""The wire contract between vLLM nodes and the gateway. Standard library only: the app imports it.
+
+Keys are the relative paths that vLLM 0.33's ``FileMapper`` produces::
+
+    <safe_model>_<digest>_r<rank>/<hhh>/<hh>_g<group>/<blockhash>.bin     a block
+    <safe_model>_<digest>/config.json                                    the run's fields
+
+``digest`` is the first 12 hex characters of sha256 over the compact, key-sorted JSON of the run's fields.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+DIGEST_LEN = 12
+CONFIG_FILENAME = "config.json"
+CANONICAL_FORMAT = "kvgate-v1-hnd"
+"""Byte format id of kvgate's head-outermost canonical layout; it takes part in the namespace digest."""
+
+MAX_KEY_LEN = 512
+
+# Header names shared by the gateway and its clients.
+DIGEST_HEADER = "X-KVGate-SHA256"
+"""Hex sha256 of the whole object; sent with a PUT to have it verified before anything is published."""
+PART_DIGEST_HEADER = "X-KVGate-Part-SHA256"
+
+_NS = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}_[0-9a-f]{12}"
+_BLOCK_RE = re.compile(
+    rf"(?P<namespace>{_NS})_r(?P<rank>0|[1-9][0-9]{{0,5}})"
+    r"/(?P<d1>[0-9a-f]{3})/(?P<d2>[0-9a-f]{2})_g(?P<group>0|[1-9][0-9]{0,9})"
+    r"/(?P<hash>(?:[0-9a-f]{2}){8,64})\.bin"
+)
+_CONFIG_RE = re.compile(rf"(?P<namespace>{_NS})/config\.json")
+_NAMESPACE_RE = re.compile(_NS)
+
+
+class InvalidKey(ValueError):
+    """A path that is not a kvgate key. Raised before anything touches storage."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockKey:
+    """A parsed block path."""
+
+    namespace: str
+    rank: int
+    group: int
+    block_hash: str
+
+    @property
+    def path(self) -> str:
+        return block_path(namespace=self.namespace, rank=self.rank, block_hash=self.block_hash, group=self.group)
+
+
+def parse_block_key(path: str) -> BlockKey:
+    """Parse a block path strictly; anything that vLLM's FileMapper cannot produce is an ``InvalidKey``."""
+    if len(path) > MAX_KEY_LEN:
+        raise InvalidKey(f"key longer than {MAX_KEY_LEN} characters")
+    m = _BLOCK_RE.fullmatch(path)
+    if m is None:
+        raise InvalidKey(f"not a block key: {path[:120]!r}")
+    block_hash = m["hash"]
+    if m["d1"] != block_hash[:3] or m["d2"] != block_hash[3:5]:
+        raise InvalidKey("directory prefix does not match the block hash")
+    group = int(m["group"])
+    if group >= 2**32:
+        raise InvalidKey("group index out of range")
+    return BlockKey(namespace=m["namespace"], rank=int(m["rank"]), group=group, block_hash=block_hash)
+
+
+def parse_namespace(name: str) -> str:
+    if not _NAMESPACE_RE.fullmatch(name):
+        raise InvalidKey(f"not a namespace: {name[:120]!r}")
+    return name
+
+
+def parse_config_key(path: str) -> str:
+    """The namespace of a ``<ns>/config.json`` path."""
+    m = _CONFIG_RE.fullmatch(path)
+    if m is None:
+        raise InvalidKey(f"not a config key: {path[:120]!r}")
+    return m["namespace"]
+
+
+def block_path(*, namespace: str, rank: int, block_hash: str | bytes, group: int) -> str:
+    """``<ns>_r<rank>/<hhh>/<hh>_g<group>/<hash>.bin``, exactly as FileMapper.get_file_name builds it."""
+    hex_hash = block_hash.hex() if isinstance(block_hash, bytes) else block_hash
+    return f"{namespace}_r{rank}/{hex_hash[:3]}/{hex_hash[3:5]}_g{group}/{hex_hash}.bin"
+
+
+def config_path(namespace: str) -> str:
+    return f"{namespace}/{CONFIG_FILENAME}"
+
+
+def split_offload_key(key: bytes) -> tuple[bytes, int]:
+    """vLLM's offload key is the block hash followed by the group index as 4 big-endian bytes."""
+    if len(key) < 5:
+        raise InvalidKey("offload key too short")
+    return key[:-4], int.from_bytes(key[-4:], "big")
+
+
+def make_offload_key(block_hash: bytes, group: int) -> bytes:
+    return block_hash + group.to_bytes(4, "big")
+
+
+# --- the run's fields and the namespace digest ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class KVGroup:
+    """One KV-cache group of the model, as far as naming and the parallel-agnostic rule need it."""
+
+    tokens_per_block: int
+    layer_names: tuple[str, ...]
+    full_attention: bool = True
+    mla: bool = False
+
+    def as_field(self) -> dict[str, Any]:
+        return {"tokens_per_block": self.tokens_per_block, "layer_names": list(self.layer_names)}
+
+
+def is_parallel_agnostic(
+    *,
+    groups: Sequence[KVGroup],
+    num_kv_heads: int,
+    total_kv_heads: int,
+    tp_size: int,
+    pp_size: int = 1,
+    pcp_size: int = 1,
+    dcp_size: int = 1,
+) -> bool:
+    """True when a block's bytes can be named independently of the parallel layout.
+
+    Exactly one KV group, full attention, not MLA, KV heads really sharded over TP (not replicated), and no
+    pipeline or context parallelism.
+    """
+    if len(groups) != 1:
+        return False
+    group = groups[0]
+    if not group.full_attention or group.mla:
+        return False
+    if num_kv_heads * tp_size != total_kv_heads:
+        return False
+    return pp_size == pcp_size == dcp_size == 1
+
+
+def run_fields(
+    *,
+    model_name: str,
+    tokens_per_hash: int,
+    blocks_per_file: int,
+    tp_size: int,
+    pp_size: int,
+    pcp_size: int,
+    dcp_size: int,
+    dtype: str,
+    kv_cache_groups: Sequence[KVGroup | Mapping[str, Any]] = (),
+    inference_engine: str = "vllm",
+    parallel_agnostic: bool = False,
+    replicated_layout: bool = False,
+    canonical_format: str | None = None,
+) -> dict[str, Any]:
+    """The fields that name a run, as FileMapper hashes them (tp/pp/pcp/dcp forced to 1 when agnostic)."""
+    if parallel_agnostic:
+        tp_size = pp_size = pcp_size = dcp_size = 1
+    fields: dict[str, Any] = {
+        "model_name": model_name,
+        "tokens_per_hash": tokens_per_hash,
+        "blocks_per_file": blocks_per_file,
+        "tp_size": tp_size,
+        "pp_size": pp_size,
+        "pcp_size": pcp_size,
+        "dcp_size": dcp_size,
+        "dtype": str(dtype),
+        "kv_cache_groups": [g.as_field() if isinstance(g, KVGroup) else dict(g) for g in kv_cache_groups],
+        "inference_engine": inference_engine,
+    }
+    if not parallel_agnostic:
+        fields["parallel_agnostic"] = False
+    if replicated_layout:
+        fields["replicated_layout"] = True
+    if canonical_format is not None:
+        fields["canonical_format"] = canonical_format
+    return fields
+
+
+def fields_digest(fields: Mapping[str, Any]) -> str:
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:DIGEST_LEN]
+
+
+def namespace_for(fields: Mapping[str, Any]) -> str:
+    """``<safe_model>_<digest>``: the directory FileMapper names ``base_path`` (without the root)."""
+    return f"{str(fields['model_name']).replace('/', '_')}_{fields_digest(fields)}"
+
+
+def check_namespace_fields(namespace: str, fields: Mapping[str, Any]) -> None:
+    """Raise ``InvalidKey`` unless ``fields`` hash to ``namespace``."""
+    expected = namespace_for(fields)
+    if expected != namespace:
+        raise InvalidKey(f"fields hash to {expected!r}, not {namespace!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class RunNaming:
+    """Everything a worker needs to name its blocks: the namespace and the rank that goes into paths."""
+
+    namespace: str
+    rank: int
+    fields: Mapping[str, Any]
+    parallel_agnostic: bool
+
+    def block(self, block_hash: str | bytes, group: int = 0) -> str:
+        return block_path(namespace=self.namespace, rank=self.rank, block_hash=block_hash, group=group)
+
+    @property
+    def config(self) -> str:
+        return config_path(self.namespace)
+
+
+def naming(
+    *,
+    model_name: str,
+    tokens_per_hash: int,
+    tp_size: int,
+    rank: int,
+    dtype: str,
+    groups: Sequence[KVGroup],
+    num_kv_heads: int,
+    total_kv_heads: int,
+    pp_size: int = 1,
+    pcp_size: int = 1,
+    dcp_size: int = 1,
+    blocks_per_file: int = 1,
+    inference_engine: str = "vllm",
+    canonical_format: str | None = CANONICAL_FORMAT,
+) -> RunNaming:
+    """Name a run: agnostic runs use the canonical format, rank 0 and tp = 1; others keep their rank."""
+    agnostic = is_parallel_agnostic(
+        groups=groups,
+        num_kv_heads=num_kv_heads,
+        total_kv_heads=total_kv_heads,
+        tp_size=tp_size,
+        pp_size=pp_size,
+        pcp_size=pcp_size,
+        dcp_size=dcp_size,
+    )
+    fields = run_fields(
+        model_name=model_name,
+        tokens_per_hash=tokens_per_hash,
+        blocks_per_file=blocks_per_file,
+        tp_size=tp_size,
+        pp_size=pp_size,
+        pcp_size=pcp_size,
+        dcp_size=dcp_size,
+        dtype=dtype,
+        kv_cache_groups=groups,
+        inference_engine=inference_engine,
+        parallel_agnostic=agnostic,
+        canonical_format=canonical_format if agnostic else None,
+    )
+    return RunNaming(namespace=namespace_for(fields), rank=0 if agnostic else rank, fields=fields, parallel_agnostic=agnostic)

@@ -264,4 +264,6 @@ def naming(
         parallel_agnostic=agnostic,
         canonical_format=canonical_format if agnostic else None,
     )
-    return RunNaming(namespace=namespace_for(fields), rank=0 if agnostic else rank, fields=fields, parallel_agnostic=agnostic)
+    return RunNaming(
+        namespace=namespace_for(fields), rank=0 if agnostic else rank, fields=fields, parallel_agnostic=agnostic
+    )

@@ -1,0 +1,77 @@
+"""The domain's error hierarchy. Storage, index and service raise these; app/api/errors.py maps them to HTTP."""
+
+from __future__ import annotations
+
+
+class KVGateError(Exception):
+    """Base of every error the gateway reports to a client."""
+
+
+class InvalidRequest(KVGateError):
+    """Malformed key, header or body (400)."""
+
+
+class BlockNotFound(KVGateError):
+    def __init__(self, key: str) -> None:
+        super().__init__(f"no block at {key!r}")
+        self.key = key
+
+
+class NamespaceNotFound(KVGateError):
+    def __init__(self, namespace: str) -> None:
+        super().__init__(f"no namespace {namespace!r}")
+        self.namespace = namespace
+
+
+class DigestMismatch(KVGateError):
+    """The body's sha256 is not the one the client announced (nothing was published)."""
+
+
+class SizeMismatch(KVGateError):
+    """The body is shorter or longer than its Content-Length (nothing was published)."""
+
+
+class LengthRequired(KVGateError):
+    pass
+
+
+class PayloadTooLarge(KVGateError):
+    pass
+
+
+class PreconditionFailed(KVGateError):
+    """If-None-Match: * on a key that is present."""
+
+
+class Conflict(KVGateError):
+    """The request contradicts what is stored (e.g. a namespace's fields do not hash to its name)."""
+
+
+class RangeNotSatisfiable(KVGateError):
+    def __init__(self, message: str, *, size: int) -> None:
+        super().__init__(message)
+        self.size = size
+
+
+class BackendUnavailable(KVGateError):
+    """The block store cannot be reached or failed; retry later (503)."""
+
+
+class IndexUnavailable(KVGateError):
+    """The index database cannot be reached, is locked or failed; retry later (503)."""
+
+
+class InsufficientStorage(KVGateError):
+    """The store is full (ENOSPC) or the capacity bound leaves no room (507)."""
+
+
+class TooManyRequests(KVGateError):
+    pass
+
+
+class Unauthorized(KVGateError):
+    pass
+
+
+class Forbidden(KVGateError):
+    pass

@@ -1,0 +1,25 @@
+"""Block stores: one module per medium behind the BlockStore protocol, and a factory."""
+
+from __future__ import annotations
+
+from app.config import Backend, FsBackend, MemoryBackend, Settings
+from app.storage.base import BlockStore, ObjectInfo, ObjectMeta, ObjectReader
+
+
+def build_store(cfg: Backend, *, settings: Settings) -> BlockStore:
+    if isinstance(cfg, FsBackend):
+        from app.storage.filesystem import FilesystemStore
+
+        return FilesystemStore(
+            root=cfg.root or settings.data_dir / "blocks", fsync=cfg.fsync, chunk_bytes=settings.io_chunk_bytes
+        )
+    if isinstance(cfg, MemoryBackend):
+        from app.storage.memory import MemoryStore
+
+        return MemoryStore(chunk_bytes=settings.io_chunk_bytes)
+    from app.storage.s3 import S3Store
+
+    return S3Store(cfg=cfg, chunk_bytes=settings.io_chunk_bytes)
+
+
+__all__ = ["BlockStore", "ObjectInfo", "ObjectMeta", "ObjectReader", "build_store"]

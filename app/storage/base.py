@@ -1,0 +1,109 @@
+"""The BlockStore protocol. Stores raise only domain errors (app.errors); they know nothing of HTTP."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import AsyncIterable, AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from app.errors import DigestMismatch, SizeMismatch
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectMeta:
+    size: int
+    digest: str
+    """Hex sha256 of the whole object."""
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    key: str
+    size: int
+    mtime: float
+
+
+class ObjectReader(Protocol):
+    """An open object: its size, and its bytes in ``[start, end)`` as chunks. Always used as a context manager."""
+
+    size: int
+
+    def chunks(self, *, start: int, end: int) -> AsyncIterator[bytes]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class BlockStore(Protocol):
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def check(self) -> None:
+        """Raise BackendUnavailable unless the store can serve reads and writes."""
+
+    async def put(
+        self, key: str, body: AsyncIterable[bytes], *, size: int, expected_digest: str | None = None
+    ) -> ObjectMeta:
+        """Store exactly ``size`` bytes under ``key``, atomically: readers see the old object or the new one.
+
+        The sha256 is computed while streaming; on a short/long body (SizeMismatch), a digest that is not
+        ``expected_digest`` (DigestMismatch), a failing body iterator or a cancelled request nothing is published
+        and no temporary data is left behind.
+        """
+
+    async def open(self, key: str) -> ObjectReader:
+        """Open ``key`` for reading; BlockNotFound on a miss."""
+
+    async def head(self, key: str) -> int | None:
+        """The object's size, or None on a miss."""
+
+    async def delete(self, key: str) -> bool:
+        """Remove ``key``; False if it was not there."""
+
+    def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
+        """Every stored object whose key starts with ``prefix`` (published objects only, never temp data)."""
+
+    async def digest(self, key: str) -> ObjectMeta:
+        """Read the object back and compute its metadata (used by reconcile/adopt)."""
+
+
+class BodyChecker:
+    """Counts and hashes a body as it streams, raising before the store publishes anything that is wrong."""
+
+    __slots__ = ("_hasher", "_received", "expected_digest", "size")
+
+    def __init__(self, *, size: int, expected_digest: str | None) -> None:
+        self.size = size
+        self.expected_digest = expected_digest.lower() if expected_digest else None
+        self._hasher = hashlib.sha256()
+        self._received = 0
+
+    def update(self, chunk: bytes | bytearray | memoryview) -> None:
+        self._received += len(chunk)
+        if self._received > self.size:
+            raise SizeMismatch(f"body is longer than Content-Length {self.size}")
+        self._hasher.update(chunk)
+
+    def finish(self) -> ObjectMeta:
+        if self._received != self.size:
+            raise SizeMismatch(f"body ended after {self._received} of {self.size} bytes")
+        digest = self._hasher.hexdigest()
+        if self.expected_digest is not None and digest != self.expected_digest:
+            raise DigestMismatch(f"body sha256 is {digest}, the request said {self.expected_digest}")
+        return ObjectMeta(size=self.size, digest=digest)
+
+
+async def coalesce(body: AsyncIterable[bytes], *, chunk_bytes: int) -> AsyncIterator[bytes]:
+    """Regroup a stream of small network chunks into chunks of at least ``chunk_bytes`` (the last may be less)."""
+    buf = bytearray()
+    async for piece in body:
+        if not buf and len(piece) >= chunk_bytes:
+            yield piece
+            continue
+        buf += piece
+        if len(buf) >= chunk_bytes:
+            yield bytes(buf)
+            buf.clear()
+    if buf:
+        yield bytes(buf)

@@ -1,0 +1,234 @@
+"""Blocks as files under a root directory, laid out exactly as vLLM's fs tier lays them out.
+
+A write goes to a unique hidden temp file in the target directory, is fsynced and then ``os.replace``d into
+place (and the directory fsynced), so a crash leaves the old state or the new one, never a torn block.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+import uuid
+from collections.abc import AsyncIterable, AsyncIterator, Callable
+from pathlib import Path
+from typing import TypeVar
+
+import anyio.to_thread
+
+from app.errors import BackendUnavailable, BlockNotFound, InsufficientStorage, InvalidRequest
+from app.storage.base import BodyChecker, ObjectInfo, ObjectMeta, coalesce
+
+TEMP_PREFIX = ".kvgate-tmp-"
+T = TypeVar("T")
+
+
+def _translate(exc: OSError, what: str) -> Exception:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return InsufficientStorage(f"{what}: no space left on the block store")
+    return BackendUnavailable(f"{what}: {exc.strerror or exc}")
+
+
+async def _io(fn: Callable[..., T], *args: object, what: str) -> T:
+    try:
+        return await anyio.to_thread.run_sync(fn, *args)
+    except (FileNotFoundError, NotADirectoryError):
+        raise
+    except OSError as exc:
+        raise _translate(exc, what) from exc
+
+
+class FsReader:
+    __slots__ = ("_chunk", "_fd", "size")
+
+    def __init__(self, fd: int, size: int, chunk_bytes: int) -> None:
+        self._fd = fd
+        self.size = size
+        self._chunk = chunk_bytes
+
+    async def chunks(self, *, start: int, end: int) -> AsyncIterator[bytes]:
+        pos = start
+        while pos < end:
+            n = min(self._chunk, end - pos)
+            data = await _io(os.pread, self._fd, n, pos, what="read")
+            if not data:
+                raise BackendUnavailable("block file shrank while being read")
+            pos += len(data)
+            yield data
+
+    async def aclose(self) -> None:
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+
+
+class FilesystemStore:
+    def __init__(self, *, root: Path, fsync: bool = True, chunk_bytes: int = 4 * 1024 * 1024) -> None:
+        self.root = root.resolve()
+        self._fsync = fsync
+        self._chunk = chunk_bytes
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await _io(lambda: self.root.mkdir(parents=True, exist_ok=True), what="create data root")
+
+    async def close(self) -> None:
+        return None
+
+    async def check(self) -> None:
+        def probe() -> None:
+            if not os.access(self.root, os.W_OK | os.X_OK):
+                raise PermissionError(errno.EACCES, "data root is not writable")
+
+        try:
+            await _io(probe, what="check")
+        except FileNotFoundError as exc:
+            raise BackendUnavailable("data root is missing") from exc
+
+    # -- paths -----------------------------------------------------------------------------------------------
+
+    def path_of(self, key: str) -> Path:
+        """The file of ``key``; keys are validated by connector.protocol, this is defence in depth."""
+        parts = key.split("/")
+        if key.startswith("/") or "\\" in key or "\0" in key or any(p in ("", ".", "..") for p in parts):
+            raise InvalidRequest(f"unsafe key {key[:120]!r}")
+        if any(p.startswith(".") for p in parts):
+            raise InvalidRequest("key segments must not start with '.'")
+        return self.root.joinpath(*parts)
+
+    # -- writes ----------------------------------------------------------------------------------------------
+
+    async def put(
+        self, key: str, body: AsyncIterable[bytes], *, size: int, expected_digest: str | None = None
+    ) -> ObjectMeta:
+        final = self.path_of(key)
+        tmp = final.parent / f"{TEMP_PREFIX}{uuid.uuid4().hex}"
+        checker = BodyChecker(size=size, expected_digest=expected_digest)
+
+        def create() -> int:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+
+        def write(fd: int, chunk: bytes) -> None:
+            checker.update(chunk)
+            view = memoryview(chunk)
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+
+        def publish(fd: int) -> None:
+            if self._fsync:
+                os.fsync(fd)
+            os.close(fd)
+            os.replace(tmp, final)
+            if self._fsync:
+                dfd = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY)
+                try:
+                    os.fsync(dfd)
+                finally:
+                    os.close(dfd)
+
+        fd = await _io(create, what="create")
+        closed = False
+        try:
+            async for chunk in coalesce(body, chunk_bytes=self._chunk):
+                await _io(write, fd, chunk, what="write")
+            meta = checker.finish()
+            closed = True
+            await _io(publish, fd, what="publish")
+            return meta
+        except BaseException:
+            if not closed:
+                os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+
+    async def delete(self, key: str) -> bool:
+        path = self.path_of(key)
+        try:
+            await _io(path.unlink, what="delete")
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        return True
+
+    # -- reads -----------------------------------------------------------------------------------------------
+
+    async def open(self, key: str) -> FsReader:
+        path = self.path_of(key)
+
+        def do_open() -> tuple[int, int]:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                return fd, os.fstat(fd).st_size
+            except BaseException:
+                os.close(fd)
+                raise
+
+        try:
+            fd, size = await _io(do_open, what="open")
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
+            raise BlockNotFound(key) from exc
+        return FsReader(fd, size, self._chunk)
+
+    async def head(self, key: str) -> int | None:
+        path = self.path_of(key)
+        try:
+            st = await _io(os.stat, path, what="stat")
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return st.st_size
+
+    async def digest(self, key: str) -> ObjectMeta:
+        reader = await self.open(key)
+        try:
+            checker = BodyChecker(size=reader.size, expected_digest=None)
+            async for chunk in reader.chunks(start=0, end=reader.size):
+                checker.update(chunk)
+            return checker.finish()
+        finally:
+            await reader.aclose()
+
+    async def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
+        """Walk the root in a worker thread, yielding published files in batches (temp files are skipped)."""
+
+        def walk() -> list[ObjectInfo]:
+            found: list[ObjectInfo] = []
+            for dirpath, dirnames, filenames in os.walk(self.root):
+                dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+                rel_dir = os.path.relpath(dirpath, self.root)
+                for name in sorted(filenames):
+                    if name.startswith("."):
+                        continue
+                    rel = name if rel_dir == "." else f"{rel_dir}/{name}"
+                    if not rel.startswith(prefix):
+                        continue
+                    try:
+                        st = os.stat(os.path.join(dirpath, name))
+                    except FileNotFoundError:
+                        continue
+                    found.append(ObjectInfo(key=rel.replace(os.sep, "/"), size=st.st_size, mtime=st.st_mtime))
+            return found
+
+        for info in await _io(walk, what="list"):
+            yield info
+
+    async def remove_temp_files(self, *, older_than_s: float = 0.0) -> int:
+        """Delete temp files of interrupted writes; returns how many were removed."""
+
+        def sweep() -> int:
+            removed = 0
+            cutoff = time.time() - older_than_s
+            for dirpath, _dirnames, filenames in os.walk(self.root):
+                for name in filenames:
+                    if name.startswith(TEMP_PREFIX):
+                        p = os.path.join(dirpath, name)
+                        try:
+                            if os.stat(p).st_mtime <= cutoff:
+                                os.unlink(p)
+                                removed += 1
+                        except FileNotFoundError:
+                            pass
+            return removed
+
+        return await _io(sweep, what="sweep")

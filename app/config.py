@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MiB = 1024 * 1024
@@ -33,6 +33,12 @@ class S3Backend(BaseModel):
     max_pool_connections: int = 64
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 30.0
+    max_attempts: int = Field(default=3, ge=1, description="tries per S3 call (botocore 'standard' retries)")
+    create_bucket: bool = Field(default=True, description="create the bucket at start-up if it is missing")
+    multipart_threshold_bytes: int = Field(
+        default=8 * MiB, ge=5 * MiB, description="bodies above this go up as a multipart upload"
+    )
+    part_bytes: int = Field(default=8 * MiB, ge=5 * MiB, description="multipart part size (S3's minimum is 5 MiB)")
 
 
 class MemoryBackend(BaseModel):
@@ -71,3 +77,10 @@ class Settings(BaseSettings):
     @property
     def is_sqlite(self) -> bool:
         return self.resolved_db_url.startswith("sqlite")
+
+    @model_validator(mode="after")
+    def _shared_index_no_meta_cache(self) -> Settings:
+        """Several replicas share a PostgreSQL index: a cached HEAD could be stale, so cache nothing by default."""
+        if "meta_cache_ttl_s" not in self.model_fields_set and not self.is_sqlite:
+            self.meta_cache_ttl_s = 0.0
+        return self

@@ -38,3 +38,18 @@ class Namespace(Base):
     name: Mapped[str] = mapped_column(String(256), primary_key=True)
     fields: Mapped[str] = mapped_column(Text)
     created_at: Mapped[float] = mapped_column(Float)
+
+
+class Part(Base):
+    """One byte range of a multi-part object that is not complete yet (see app/parts.py)."""
+
+    __tablename__ = "parts"
+
+    key: Mapped[str] = mapped_column(String(512), primary_key=True)
+    start: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    end: Mapped[int] = mapped_column(BigInteger)
+    """Exclusive end of the range."""
+    total: Mapped[int] = mapped_column(BigInteger)
+    digest: Mapped[str] = mapped_column(String(64))
+    store_key: Mapped[str] = mapped_column(String(640))
+    created_at: Mapped[float] = mapped_column(Float)

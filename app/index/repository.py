@@ -21,7 +21,7 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from app.errors import IndexUnavailable
-from app.index.models import Block, Namespace
+from app.index.models import Block, Namespace, Part
 
 log = logging.getLogger("kvgate.index")
 T = TypeVar("T")
@@ -39,6 +39,18 @@ class BlockRecord:
     created_at: float
     last_access: float
     hits: int
+
+
+@dataclass(frozen=True, slots=True)
+class PartRecord:
+    """A stored byte range ``[start, end)`` of the object ``key`` of ``total`` bytes."""
+
+    key: str
+    start: int
+    end: int
+    total: int
+    digest: str
+    store_key: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,3 +344,43 @@ class Index:
                 return await fn(conn)
 
         return await _guard(q(), "read")
+
+    # -- parts of multi-part objects -------------------------------------------------------------------------
+
+    async def add_part(self, part: PartRecord) -> bool:
+        """Record a part, create-only on (key, start); False if a part already starts there."""
+
+        def run(conn: Connection) -> bool:
+            ins = (postgresql.insert if self._dialect == "postgresql" else sqlite.insert)(Part).values(
+                key=part.key,
+                start=part.start,
+                end=part.end,
+                total=part.total,
+                digest=part.digest,
+                store_key=part.store_key,
+                created_at=time.time(),
+            )
+            return bool(conn.execute(ins.on_conflict_do_nothing(index_elements=[Part.key, Part.start])).rowcount)
+
+        return bool(await self._write(run))
+
+    async def get_parts(self, key: str) -> list[PartRecord]:
+        """The parts of ``key``, ordered by start."""
+
+        async def q() -> list[PartRecord]:
+            async with self.engine.connect() as conn:
+                rows = await conn.execute(select(Part).where(Part.key == key).order_by(Part.start))
+                return [
+                    PartRecord(
+                        key=r.key, start=r.start, end=r.end, total=r.total, digest=r.digest, store_key=r.store_key
+                    )
+                    for r in rows
+                ]
+
+        return await _guard(q(), "read")
+
+    async def delete_parts(self, key: str) -> int:
+        def run(conn: Connection) -> int:
+            return int(conn.execute(delete(Part).where(Part.key == key)).rowcount)
+
+        return int(await self._write(run))

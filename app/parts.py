@@ -1,0 +1,208 @@
+"""Multi-part objects: each TP rank PUTs its byte range of a canonical block with ``Content-Range``.
+
+A part's bytes go to the store under ``_parts/<key>/<start>-<end>.<uuid>`` (a key the block grammar can never
+produce: block namespaces never start with ``_parts/``), and a row goes to the ``parts`` table, create-only on
+``(key, start)``. The object stays invisible (no ``blocks`` row: HEAD/GET 404, lookup miss) until the parts cover
+``[0, total)``; the PUT that completes the cover assembles the object by streaming the parts, in order, through
+the store's ordinary atomic ``put`` (which computes the digest), records the block row, then drops the parts.
+
+Concurrency: part data is written outside any lock (each write has its own store key, so two writers never
+clobber each other); the bookkeeping and the assembly run under a per-key asyncio lock. Across gateway replicas
+sharing one index a second assembler produces the same bytes (the concatenation is deterministic), and one
+that finds the parts gone while reading checks that the object was published by the other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import uuid
+import weakref
+from collections.abc import AsyncIterable, AsyncIterator
+from dataclasses import dataclass
+
+from app.errors import BlockNotFound, Conflict, DigestMismatch, InvalidRequest, RangeNotSatisfiable
+from app.index import Index, PartRecord
+from app.storage import BlockStore
+from app.storage.base import BodyChecker
+from connector.protocol import BlockKey
+
+log = logging.getLogger("kvgate.parts")
+
+PARTS_PREFIX = "_parts/"
+"""Store prefix of part data; reconcile/adopt must skip it (never a block key)."""
+
+_CONTENT_RANGE = re.compile(r"bytes (\d{1,15})-(\d{1,15})/(\d{1,15})")
+
+
+@dataclass(frozen=True, slots=True)
+class ByteSpan:
+    """A part's half-open range ``[start, end)`` of an object of ``total`` bytes."""
+
+    start: int
+    end: int
+    total: int
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+def parse_content_range(value: str) -> ByteSpan:
+    """``bytes a-b/total`` (inclusive ``b``) -> ByteSpan; 400 if malformed, 416 if beyond ``total``."""
+    m = _CONTENT_RANGE.fullmatch(value.strip())
+    if m is None:
+        raise InvalidRequest(f"Content-Range must be 'bytes a-b/total', got {value[:80]!r}")
+    first, last, total = int(m[1]), int(m[2]), int(m[3])
+    if last < first:
+        raise InvalidRequest(f"Content-Range {value!r}: end before start")
+    if last >= total:
+        raise RangeNotSatisfiable(f"Content-Range {value!r} reaches past the object's {total} bytes", size=total)
+    return ByteSpan(start=first, end=last + 1, total=total)
+
+
+@dataclass(frozen=True, slots=True)
+class PartOutcome:
+    key: str
+    span: ByteSpan
+    part_digest: str
+    complete: bool
+    """True once the object is published (by this PUT or an earlier one)."""
+    created: bool
+    """False when an identical part (or the whole object) was already there."""
+    digest: str | None
+    """The object's sha256 once complete."""
+
+
+def _check_against(parts: list[PartRecord], span: ByteSpan, digest: str | None) -> PartRecord | None:
+    """The identical part already recorded (or None); Conflict on another total or an overlapping range."""
+    for p in parts:
+        if p.total != span.total:
+            raise Conflict(f"part says the object has {span.total} bytes, an earlier part said {p.total}")
+        if p.start == span.start and p.end == span.end and (digest is None or digest == p.digest):
+            return p
+        if p.start < span.end and span.start < p.end:
+            raise Conflict(f"bytes {span.start}-{span.end - 1} overlap the stored part {p.start}-{p.end - 1}")
+    return None
+
+
+def covers(parts: list[PartRecord], total: int) -> bool:
+    """Do ``parts`` (ordered by start, non-overlapping) cover ``[0, total)`` exactly?"""
+    pos = 0
+    for p in parts:
+        if p.start != pos:
+            return False
+        pos = p.end
+    return pos == total
+
+
+class PartAssembler:
+    def __init__(self, *, store: BlockStore, index: Index) -> None:
+        self.store = store
+        self.index = index
+        self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+
+    def _lock(self, key: str) -> asyncio.Lock:
+        lock = self._locks.get(key)
+        if lock is None:
+            lock = asyncio.Lock()
+            self._locks[key] = lock
+        return lock
+
+    async def put_part(
+        self, key: BlockKey, body: AsyncIterable[bytes], *, span: ByteSpan, part_digest: str | None
+    ) -> PartOutcome:
+        path = key.path
+        existing = await self.index.get(path)
+        if existing is not None:
+            return await self._already_complete(path, existing.size, existing.digest, body, span, part_digest)
+        _check_against(await self.index.get_parts(path), span, part_digest)  # fail fast, before any byte is kept
+        store_key = f"{PARTS_PREFIX}{path}/{span.start}-{span.end}.{uuid.uuid4().hex}"
+        stored = await self.store.put(store_key, body, size=span.size, expected_digest=part_digest)
+        keep = False
+        try:
+            async with self._lock(path):
+                existing = await self.index.get(path)
+                if existing is not None:  # completed by another writer while our bytes streamed
+                    return PartOutcome(path, span, stored.digest, True, False, existing.digest)
+                parts = await self.index.get_parts(path)
+                same = _check_against(parts, span, stored.digest)
+                if same is None:
+                    record = PartRecord(
+                        key=path,
+                        start=span.start,
+                        end=span.end,
+                        total=span.total,
+                        digest=stored.digest,
+                        store_key=store_key,
+                    )
+                    if not await self.index.add_part(record):  # another replica recorded this start first
+                        raise Conflict(f"a part starting at byte {span.start} was recorded concurrently")
+                    keep = True
+                    parts = await self.index.get_parts(path)
+                if not covers(parts, span.total):
+                    return PartOutcome(path, span, stored.digest, False, same is None, None)
+                digest = await self._assemble(key, parts, span.total)
+                return PartOutcome(path, span, stored.digest, True, same is None, digest)
+        finally:
+            if not keep:
+                with contextlib.suppress(Exception):
+                    await self.store.delete(store_key)
+
+    async def _already_complete(
+        self,
+        path: str,
+        size: int,
+        digest: str,
+        body: AsyncIterable[bytes],
+        span: ByteSpan,
+        part_digest: str | None,
+    ) -> PartOutcome:
+        if size != span.total:
+            raise Conflict(f"{path!r} is complete with {size} bytes, the part says {span.total}")
+        checker = BodyChecker(size=span.size, expected_digest=part_digest)
+        async for chunk in body:
+            checker.update(chunk)
+        meta = checker.finish()
+        return PartOutcome(path, span, meta.digest, True, False, digest)
+
+    async def _assemble(self, key: BlockKey, parts: list[PartRecord], total: int) -> str:
+        path = key.path
+        try:
+            stored = await self.store.put(path, self._concat(parts), size=total)
+        except BlockNotFound:
+            record = await self.index.get(path)
+            if record is not None and record.size == total:  # another replica assembled it and dropped the parts
+                return record.digest
+            raise
+        await self.index.upsert_block(
+            key=path, namespace=key.namespace, rank=key.rank, group=key.group, size=stored.size, digest=stored.digest
+        )
+        await self.drop(path, parts)
+        log.info("assembled key=%s parts=%d size=%d", path, len(parts), total)
+        return stored.digest
+
+    async def _concat(self, parts: list[PartRecord]) -> AsyncIterator[bytes]:
+        for part in parts:
+            reader = await self.store.open(part.store_key)
+            checker = BodyChecker(size=part.end - part.start, expected_digest=part.digest)
+            try:
+                async for chunk in reader.chunks(start=0, end=reader.size):
+                    checker.update(chunk)
+                    yield chunk
+                checker.finish()
+            except DigestMismatch as exc:
+                log.error("stored part is corrupt key=%s start=%d: %s", part.key, part.start, exc)
+                raise Conflict(f"stored part at byte {part.start} is corrupt; re-send it") from exc
+            finally:
+                await reader.aclose()
+
+    async def drop(self, path: str, parts: list[PartRecord] | None = None) -> None:
+        """Forget the parts of ``path`` (rows, then data)."""
+        parts = await self.index.get_parts(path) if parts is None else parts
+        await self.index.delete_parts(path)
+        for part in parts:
+            with contextlib.suppress(Exception):
+                await self.store.delete(part.store_key)

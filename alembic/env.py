@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 from logging.config import fileConfig
 
-from alembic import context
-from sqlalchemy import Connection, pool
+from sqlalchemy import Connection, pool, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from alembic import context
 from app.config import Settings
 from app.index.models import Base
 
@@ -17,6 +17,7 @@ if config.config_file_name is not None and not config.attributes.get("quiet"):
     fileConfig(config.config_file_name, disable_existing_loggers=False)
 
 target_metadata = Base.metadata
+MIGRATION_LOCK = 0x6B76_6761_7465  # "kvgate": PostgreSQL advisory lock key serializing migrations
 
 
 def _url() -> str:
@@ -31,6 +32,9 @@ def _run(connection: Connection) -> None:
         render_as_batch=connection.dialect.name == "sqlite",
     )
     with context.begin_transaction():
+        if connection.dialect.name == "postgresql":
+            # replicas starting together: one migrates, the others wait here and then find the schema at head
+            connection.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": MIGRATION_LOCK})
         context.run_migrations()
 
 

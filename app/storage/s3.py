@@ -1,0 +1,350 @@
+"""Blocks as objects in an S3-compatible bucket (MinIO, Ceph RGW, AWS S3), through aioboto3.
+
+A PUT at or under ``multipart_threshold_bytes`` is buffered, verified (size, sha256) and sent as one PutObject; a
+larger one streams as a multipart upload whose parts go up while the body arrives, is verified before
+CompleteMultipartUpload and aborted on any error, so nothing wrong is ever published: S3 makes an object visible
+atomically when PutObject or CompleteMultipartUpload succeeds. The sha256 travels in the object's metadata.
+
+Every botocore/aiohttp failure becomes BackendUnavailable (503); only a missing key is a miss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterable, AsyncIterator
+from typing import Any
+
+import aioboto3
+import aiohttp
+from aiobotocore.config import AioConfig
+from botocore.exceptions import BotoCoreError, ClientError
+
+from app.config import S3Backend
+from app.errors import BackendUnavailable, BlockNotFound, InsufficientStorage, InvalidRequest, KVGateError
+from app.storage.base import BodyChecker, ObjectInfo, ObjectMeta, coalesce
+
+log = logging.getLogger("kvgate.storage.s3")
+
+DIGEST_META = "sha256"
+"""User-metadata key (x-amz-meta-sha256) holding the object's hex sha256."""
+
+_MISSING_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
+_NO_BUCKET_CODES = frozenset({"NoSuchBucket", "NotFound", "404"})
+_FULL_CODES = frozenset({"XMinioStorageFull", "InsufficientStorage"})
+_FOREIGN = (BotoCoreError, ClientError, aiohttp.ClientError, asyncio.TimeoutError, OSError)
+
+
+def _code(exc: ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+def _is_missing(exc: BaseException) -> bool:
+    return isinstance(exc, ClientError) and _code(exc) in _MISSING_CODES
+
+
+def _translate(exc: BaseException, what: str) -> KVGateError:
+    """A foreign failure as a domain error; callers keep the cause with ``raise ... from exc``."""
+    if isinstance(exc, ClientError):
+        code = _code(exc)
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if code in _FULL_CODES or status == 507:
+            return InsufficientStorage(f"s3 {what}: the object store is full ({code})")
+        return BackendUnavailable(f"s3 {what} failed: {code or status}")
+    return BackendUnavailable(f"s3 {what} failed: {type(exc).__name__}: {exc}")
+
+
+class S3Reader:
+    """An object opened by HEAD; each ``chunks`` call is one ranged GetObject pinned to the ETag seen at open."""
+
+    __slots__ = ("_etag", "_key", "_store", "size")
+
+    def __init__(self, store: S3Store, key: str, *, size: int, etag: str | None) -> None:
+        self._store = store
+        self._key = key
+        self._etag = etag
+        self.size = size
+
+    async def chunks(self, *, start: int, end: int) -> AsyncIterator[bytes]:
+        if start >= end:
+            return
+        async for chunk in self._store.read_range(self._key, start=start, end=end, etag=self._etag):
+            yield chunk
+
+    async def aclose(self) -> None:
+        return None
+
+
+class S3Store:
+    def __init__(self, *, cfg: S3Backend, chunk_bytes: int = 4 * 1024 * 1024, list_page_size: int = 1000) -> None:
+        self.cfg = cfg
+        self._page_size = list_page_size
+        self.bucket = cfg.bucket
+        prefix = cfg.prefix.strip("/")
+        self.prefix = f"{prefix}/" if prefix else ""
+        self._chunk = chunk_bytes
+        self._threshold = cfg.multipart_threshold_bytes
+        self._part = cfg.part_bytes
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._client: Any = None
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        cfg = self.cfg
+        config = AioConfig(
+            max_pool_connections=cfg.max_pool_connections,
+            connect_timeout=cfg.connect_timeout_s,
+            read_timeout=cfg.read_timeout_s,
+            retries={"max_attempts": cfg.max_attempts, "mode": "standard"},
+            s3={"addressing_style": cfg.addressing_style},
+            # S3-compatible stores (older MinIO, Ceph RGW) reject botocore's default CRC trailers.
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        secret = cfg.secret_access_key.get_secret_value() if cfg.secret_access_key else None
+        stack = contextlib.AsyncExitStack()
+        try:
+            self._client = await stack.enter_async_context(
+                aioboto3.Session().client(
+                    "s3",
+                    endpoint_url=cfg.endpoint_url,
+                    region_name=cfg.region,
+                    aws_access_key_id=cfg.access_key_id,
+                    aws_secret_access_key=secret,
+                    config=config,
+                )
+            )
+            self._stack = stack
+            await self._ensure_bucket()
+        except BaseException:
+            self._stack = None
+            self._client = None
+            await stack.aclose()
+            raise
+
+    async def _ensure_bucket(self) -> None:
+        try:
+            await self._client.head_bucket(Bucket=self.bucket)
+            return
+        except ClientError as exc:
+            if _code(exc) not in _NO_BUCKET_CODES or not self.cfg.create_bucket:
+                raise _translate(exc, f"head bucket {self.bucket!r}") from exc
+        except _FOREIGN as exc:
+            raise _translate(exc, f"head bucket {self.bucket!r}") from exc
+        kwargs: dict[str, Any] = {"Bucket": self.bucket}
+        if self.cfg.region != "us-east-1":
+            kwargs["CreateBucketConfiguration"] = {"LocationConstraint": self.cfg.region}
+        try:
+            await self._client.create_bucket(**kwargs)
+            log.info("created bucket %s", self.bucket)
+        except ClientError as exc:
+            if _code(exc) not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):  # another replica won
+                raise _translate(exc, f"create bucket {self.bucket!r}") from exc
+        except _FOREIGN as exc:
+            raise _translate(exc, f"create bucket {self.bucket!r}") from exc
+
+    async def close(self) -> None:
+        stack, self._stack, self._client = self._stack, None, None
+        if stack is not None:
+            await stack.aclose()
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            raise BackendUnavailable("s3 store is not started")
+        return self._client
+
+    async def check(self) -> None:
+        try:
+            await self.client.head_bucket(Bucket=self.bucket)
+        except _FOREIGN as exc:
+            raise _translate(exc, "check") from exc
+
+    def object_key(self, key: str) -> str:
+        if not key or key.startswith("/") or "\0" in key:
+            raise InvalidRequest(f"unsafe key {key[:120]!r}")
+        return self.prefix + key
+
+    # -- writes ----------------------------------------------------------------------------------------------
+
+    async def put(
+        self, key: str, body: AsyncIterable[bytes], *, size: int, expected_digest: str | None = None
+    ) -> ObjectMeta:
+        name = self.object_key(key)
+        checker = BodyChecker(size=size, expected_digest=expected_digest)
+        if size > self._threshold:
+            return await self._put_multipart(name, body, checker)
+        buf = bytearray()
+        async for chunk in body:
+            checker.update(chunk)
+            buf += chunk
+        meta = checker.finish()
+        try:
+            await self.client.put_object(
+                Bucket=self.bucket, Key=name, Body=bytes(buf), ContentLength=size, Metadata={DIGEST_META: meta.digest}
+            )
+        except _FOREIGN as exc:
+            raise _translate(exc, "put") from exc
+        return meta
+
+    async def _put_multipart(self, name: str, body: AsyncIterable[bytes], checker: BodyChecker) -> ObjectMeta:
+        # The digest is only known at the end; when the client announced it, it goes into the metadata up front
+        # (CompleteMultipartUpload is reached only if it matched), else it is added by a copy afterwards.
+        announced = checker.expected_digest
+        try:
+            created = await self.client.create_multipart_upload(
+                Bucket=self.bucket, Key=name, Metadata={DIGEST_META: announced} if announced else {}
+            )
+        except _FOREIGN as exc:
+            raise _translate(exc, "create multipart upload") from exc
+        upload_id = str(created["UploadId"])
+        parts: list[dict[str, Any]] = []
+        pending: asyncio.Task[dict[str, Any]] | None = None
+        try:
+            number = 0
+            async for data in coalesce(body, chunk_bytes=self._part):
+                checker.update(data)
+                if pending is not None:  # at most one part in flight while the next one arrives
+                    parts.append(await pending)
+                    pending = None
+                number += 1
+                pending = asyncio.create_task(self._upload_part(name, upload_id, number, data))
+            if pending is not None:
+                parts.append(await pending)
+                pending = None
+            meta = checker.finish()
+            await self.client.complete_multipart_upload(
+                Bucket=self.bucket, Key=name, UploadId=upload_id, MultipartUpload={"Parts": parts}
+            )
+        except BaseException as exc:
+            if pending is not None:
+                pending.cancel()
+                with contextlib.suppress(BaseException):
+                    await pending
+            await asyncio.shield(self._abort(name, upload_id))
+            if isinstance(exc, _FOREIGN):
+                raise _translate(exc, "multipart upload") from exc
+            raise
+        if not announced:
+            await self._set_digest(name, meta.digest)
+        return meta
+
+    async def _upload_part(self, name: str, upload_id: str, number: int, data: bytes) -> dict[str, Any]:
+        resp = await self.client.upload_part(
+            Bucket=self.bucket, Key=name, UploadId=upload_id, PartNumber=number, Body=data, ContentLength=len(data)
+        )
+        return {"ETag": resp["ETag"], "PartNumber": number}
+
+    async def _abort(self, name: str, upload_id: str) -> None:
+        try:
+            await self.client.abort_multipart_upload(Bucket=self.bucket, Key=name, UploadId=upload_id)
+        except _FOREIGN as exc:  # its parts linger until the bucket's AbortIncompleteMultipartUpload rule
+            log.warning("abort multipart upload failed key=%s upload=%s error=%s", name, upload_id, exc)
+
+    async def _set_digest(self, name: str, digest: str) -> None:
+        """Copy the object onto itself with the digest in its metadata (same bytes, so readers see no change)."""
+        try:
+            await self.client.copy_object(
+                Bucket=self.bucket,
+                Key=name,
+                CopySource={"Bucket": self.bucket, "Key": name},
+                Metadata={DIGEST_META: digest},
+                MetadataDirective="REPLACE",
+            )
+        except _FOREIGN as exc:  # published and correct; digest() recomputes when the metadata is absent
+            log.warning("digest metadata not recorded key=%s error=%s", name, exc)
+
+    async def delete(self, key: str) -> bool:
+        name = self.object_key(key)
+        if await self._head(name) is None:
+            return False
+        try:
+            await self.client.delete_object(Bucket=self.bucket, Key=name)
+        except _FOREIGN as exc:
+            raise _translate(exc, "delete") from exc
+        return True
+
+    # -- reads -----------------------------------------------------------------------------------------------
+
+    async def _head(self, name: str) -> dict[str, Any] | None:
+        try:
+            return dict(await self.client.head_object(Bucket=self.bucket, Key=name))
+        except _FOREIGN as exc:
+            if _is_missing(exc):
+                return None
+            raise _translate(exc, "head") from exc
+
+    async def open(self, key: str) -> S3Reader:
+        head = await self._head(self.object_key(key))
+        if head is None:
+            raise BlockNotFound(key)
+        etag = head.get("ETag")
+        return S3Reader(self, key, size=int(head["ContentLength"]), etag=str(etag) if etag else None)
+
+    async def read_range(self, key: str, *, start: int, end: int, etag: str | None) -> AsyncIterator[bytes]:
+        """The bytes ``[start, end)`` of ``key`` from one ranged GetObject, streamed."""
+        kwargs: dict[str, Any] = {
+            "Bucket": self.bucket,
+            "Key": self.object_key(key),
+            "Range": f"bytes={start}-{end - 1}",
+        }
+        if etag:
+            kwargs["IfMatch"] = etag
+        try:
+            resp = await self.client.get_object(**kwargs)
+        except _FOREIGN as exc:
+            if _is_missing(exc):
+                raise BlockNotFound(key) from exc
+            raise _translate(exc, "get") from exc
+        received = 0
+        async with resp["Body"] as stream:
+            while received < end - start:
+                want = min(self._chunk, end - start - received)
+                try:  # whole chunks: fewer, larger sends to the client
+                    data = await stream.content.readexactly(want)
+                except asyncio.IncompleteReadError as exc:
+                    raise BackendUnavailable(
+                        f"s3 read ended after {received + len(exc.partial)} of {end - start} bytes"
+                    ) from exc
+                except _FOREIGN as exc:
+                    raise _translate(exc, "read") from exc
+                received += len(data)
+                yield data
+
+    async def head(self, key: str) -> int | None:
+        head = await self._head(self.object_key(key))
+        return None if head is None else int(head["ContentLength"])
+
+    async def digest(self, key: str) -> ObjectMeta:
+        head = await self._head(self.object_key(key))
+        if head is None:
+            raise BlockNotFound(key)
+        size = int(head["ContentLength"])
+        recorded = str(head.get("Metadata", {}).get(DIGEST_META, "")).lower()
+        if len(recorded) == 64:
+            return ObjectMeta(size=size, digest=recorded)
+        checker = BodyChecker(size=size, expected_digest=None)
+        async for chunk in S3Reader(self, key, size=size, etag=head.get("ETag")).chunks(start=0, end=size):
+            checker.update(chunk)
+        return checker.finish()
+
+    async def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
+        """Every object under the store's prefix + ``prefix``, page by page (ListObjectsV2)."""
+        paginator = self.client.get_paginator("list_objects_v2")
+        pages = paginator.paginate(
+            Bucket=self.bucket, Prefix=self.prefix + prefix, PaginationConfig={"PageSize": self._page_size}
+        ).__aiter__()
+        while True:
+            try:
+                page = await pages.__anext__()
+            except StopAsyncIteration:
+                return
+            except _FOREIGN as exc:
+                raise _translate(exc, "list") from exc
+            for obj in page.get("Contents", ()):
+                name = str(obj["Key"])
+                yield ObjectInfo(
+                    key=name[len(self.prefix) :], size=int(obj["Size"]), mtime=obj["LastModified"].timestamp()
+                )

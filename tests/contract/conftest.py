@@ -1,0 +1,1 @@
+from tests.services import moto_server  # noqa: F401

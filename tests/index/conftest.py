@@ -1,0 +1,1 @@
+from tests.services import pg_server, pg_url  # noqa: F401

@@ -1,0 +1,259 @@
+"""Real servers for tests: a moto S3 server and a PostgreSQL server, each on a free loopback port.
+
+PostgreSQL comes from ``KVGATE_TEST_PG_URL`` when set, else from Debian's binaries (``apt-get install postgresql``):
+initdb into a temp dir and pg_ctl on a free port, as the ``postgres`` user when the tests run as root. Where neither
+is possible the tests that need it are skipped, unless ``KVGATE_REQUIRE_SERVICES=1`` (CI), which makes that a
+failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.gateway import REPO, free_port
+
+S3_CREDS = {"access_key_id": "testing", "secret_access_key": "testing", "region": "us-east-1"}
+
+
+def require_or_skip(reason: str) -> None:
+    """Skip, or fail where CI demands the real services."""
+    if os.environ.get("KVGATE_REQUIRE_SERVICES") == "1":
+        pytest.fail(f"KVGATE_REQUIRE_SERVICES=1 but {reason}")
+    pytest.skip(reason)
+
+
+def _wait_port(port: int, *, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"nothing listening on 127.0.0.1:{port} after {timeout_s}s")
+
+
+# -- moto ------------------------------------------------------------------------------------------------------
+
+
+class MotoServer:
+    """``python -m moto.server`` on 127.0.0.1; can be killed and started again on the same port."""
+
+    def __init__(self, *, log_dir: Path, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.log_path = log_dir / f"moto-{self.port}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> MotoServer:
+        env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"moto exited with {self.proc.returncode}: {self.log_path.read_text()}")
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.get(f"{self.url}/moto-api/", timeout=1.0)
+                return self
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError("moto server did not come up")
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def backend_env(self, *, bucket: str, prefix: str = "") -> dict[str, str]:
+        """KVGATE_* variables that point a gateway at this server."""
+        return {
+            "KVGATE_BACKEND__KIND": "s3",
+            "KVGATE_BACKEND__BUCKET": bucket,
+            "KVGATE_BACKEND__PREFIX": prefix,
+            "KVGATE_BACKEND__ENDPOINT_URL": self.url,
+            "KVGATE_BACKEND__REGION": S3_CREDS["region"],
+            "KVGATE_BACKEND__ACCESS_KEY_ID": S3_CREDS["access_key_id"],
+            "KVGATE_BACKEND__SECRET_ACCESS_KEY": S3_CREDS["secret_access_key"],
+            "KVGATE_BACKEND__MAX_ATTEMPTS": "2",
+            "KVGATE_BACKEND__CONNECT_TIMEOUT_S": "2",
+            "KVGATE_BACKEND__READ_TIMEOUT_S": "10",
+        }
+
+
+@pytest.fixture(scope="session")
+def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
+    """One moto S3 server for the session (tests use their own buckets)."""
+    server = MotoServer(log_dir=tmp_path_factory.mktemp("moto")).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def unique_bucket() -> str:
+    return f"kvgate-test-{uuid.uuid4().hex[:12]}"
+
+
+# -- PostgreSQL ------------------------------------------------------------------------------------------------
+
+
+def _pg_bindir() -> Path | None:
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+    if found:
+        return Path(found[-1]).parent
+    initdb = shutil.which("initdb")
+    return Path(initdb).parent if initdb else None
+
+
+def asyncpg_dsn(url: str) -> str:
+    """``postgresql+asyncpg://`` (SQLAlchemy) -> ``postgresql://`` (asyncpg)."""
+    return url.replace("postgresql+asyncpg://", "postgresql://", 1)
+
+
+def sqlalchemy_url(url: str) -> str:
+    for scheme in ("postgresql+asyncpg://", "postgresql://", "postgres://"):
+        if url.startswith(scheme):
+            return "postgresql+asyncpg://" + url[len(scheme) :]
+    raise ValueError(f"not a PostgreSQL URL: {url!r}")
+
+
+@dataclass
+class PgServer:
+    """A reachable PostgreSQL server; ``base_url`` names a database the tests may connect to for admin work."""
+
+    base_url: str
+
+    def url_for(self, database: str) -> str:
+        head, _, _ = sqlalchemy_url(self.base_url).rpartition("/")
+        return f"{head}/{database}"
+
+    async def create_database(self) -> str:
+        """A fresh, empty database; returns its SQLAlchemy URL."""
+        import asyncpg  # type: ignore[import-untyped]
+
+        name = f"kvgate_{uuid.uuid4().hex[:12]}"
+        conn = await asyncpg.connect(asyncpg_dsn(self.base_url))
+        try:
+            await conn.execute(f'CREATE DATABASE "{name}"')
+        finally:
+            await conn.close()
+        return self.url_for(name)
+
+    async def drop_database(self, url: str) -> None:
+        import asyncpg
+
+        name = url.rpartition("/")[2]
+        conn = await asyncpg.connect(asyncpg_dsn(self.base_url))
+        try:
+            await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            await conn.close()
+
+
+class LocalPostgres:
+    """initdb + pg_ctl in a temp dir on a free loopback port; as the ``postgres`` user when we are root."""
+
+    def __init__(self, bindir: Path) -> None:
+        self.bindir = bindir
+        self.port = free_port()
+        self.root = Path(tempfile.mkdtemp(prefix="kvgate-pg-"))
+        self.datadir = self.root / "data"
+        self.user: str | None = None
+        if os.geteuid() == 0:
+            self.user = "postgres"
+            pw = pwd.getpwnam(self.user)
+            os.chown(self.root, pw.pw_uid, pw.pw_gid)
+        os.chmod(self.root, 0o700)
+
+    def _run(self, *args: str) -> None:
+        cmd = [str(self.bindir / args[0]), *args[1:]]
+        if self.user is not None:
+            cmd = ["runuser", "-u", self.user, "--", *cmd]
+        subprocess.run(cmd, check=True, capture_output=True, cwd=self.root, timeout=120)
+
+    def start(self) -> PgServer:
+        self._run("initdb", "-D", str(self.datadir), "-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync")
+        opts = f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200"
+        self._run("pg_ctl", "-D", str(self.datadir), "-l", str(self.root / "pg.log"), "-o", opts, "-w", "start")
+        _wait_port(self.port, timeout_s=30)
+        return PgServer(base_url=f"postgresql+asyncpg://postgres@127.0.0.1:{self.port}/postgres")
+
+    def stop(self) -> None:
+        with contextlib.suppress(subprocess.SubprocessError, OSError):
+            self._run("pg_ctl", "-D", str(self.datadir), "-m", "fast", "-w", "stop")
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[PgServer]:
+    """KVGATE_TEST_PG_URL, else a throwaway local server, else skip (fail under KVGATE_REQUIRE_SERVICES=1)."""
+    url = os.environ.get("KVGATE_TEST_PG_URL")
+    if url:
+        yield PgServer(base_url=sqlalchemy_url(url))
+        return
+    bindir = _pg_bindir()
+    if bindir is None:
+        require_or_skip("no PostgreSQL: set KVGATE_TEST_PG_URL or apt-get install postgresql")
+    assert bindir is not None
+    if os.geteuid() == 0:
+        try:
+            pwd.getpwnam("postgres")
+        except KeyError:
+            require_or_skip("running as root and there is no 'postgres' user to run the server as")
+    local = LocalPostgres(bindir)
+    try:
+        server = local.start()
+    except (subprocess.SubprocessError, RuntimeError, OSError) as exc:
+        local.stop()
+        detail = getattr(exc, "stderr", b"") or b""
+        require_or_skip(f"could not start PostgreSQL: {exc} {detail.decode(errors='replace')[-500:]}")
+        raise
+    try:
+        yield server
+    finally:
+        local.stop()
+
+
+@pytest.fixture
+async def pg_url(pg_server: PgServer) -> AsyncIterator[str]:
+    """A fresh, empty PostgreSQL database for one test (SQLAlchemy asyncpg URL), dropped afterwards."""
+    url = await pg_server.create_database()
+    try:
+        yield url
+    finally:
+        await pg_server.drop_database(url)

@@ -1,0 +1,182 @@
+"""Operator commands: ``kvgate ls``, ``stats``, ``purge NS`` (HTTP to a running gateway) and ``gc`` (offline)."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+DEFAULT_URL = "http://127.0.0.1:8750"
+Url = Annotated[str, typer.Option("--url", envvar="KVGATE_URL", help="the gateway [env KVGATE_URL]")]
+Token = Annotated[
+    str | None, typer.Option("--token", envvar="KVGATE_TOKEN", help="admin bearer token [env KVGATE_TOKEN]")
+]
+
+console = Console()
+
+
+def _human(n: int | float | None) -> str:
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return str(n)
+
+
+def _when(ts: float | None) -> str:
+    if ts is None:
+        return "-"
+    return dt.datetime.fromtimestamp(ts, tz=dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _call(method: str, url: str, path: str, token: str | None) -> Any:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        resp = httpx.request(method, f"{url.rstrip('/')}{path}", headers=headers, timeout=60.0)
+    except httpx.HTTPError as exc:
+        console.print(f"[red]cannot reach {url}: {exc}[/red]")
+        raise typer.Exit(2) from exc
+    if resp.status_code >= 400:
+        try:
+            message = resp.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = resp.text[:200]
+        console.print(f"[red]{resp.status_code}: {message}[/red]")
+        raise typer.Exit(1)
+    return resp.json()
+
+
+def ls(url: Url = DEFAULT_URL, token: Token = None) -> None:
+    """Namespaces on a running gateway: blocks, bytes, hits, never-read share."""
+    data = _call("GET", url, "/v1/namespaces", token)
+    table = Table(title=f"kvgate namespaces at {url}")
+    for col in ("namespace", "blocks", "bytes", "hits", "never read", "last write", "config"):
+        table.add_column(col, justify="left" if col == "namespace" else "right")
+    for ns in data["namespaces"]:
+        ratio = ns["never_read_ratio"]
+        style = "red" if ns["blocks"] >= 100 and ratio > 0.99 else ""
+        table.add_row(
+            ns["namespace"],
+            str(ns["blocks"]),
+            _human(ns["bytes"]),
+            str(ns["hits"]),
+            f"[{style}]{ratio:.1%}[/{style}]" if style else f"{ratio:.1%}",
+            _when(ns["last_write"]),
+            "yes" if ns["has_config"] else "no",
+        )
+    console.print(table)
+
+
+def stats(url: Url = DEFAULT_URL, token: Token = None) -> None:
+    """Usage, capacity, hits, misses and evictions of a running gateway."""
+    s = _call("GET", url, "/v1/stats", token)
+    table = Table(title=f"kvgate stats at {url}", show_header=False)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    ratio = s["usage_ratio"]
+    rows = [
+        ("usage", _human(s["usage_bytes"]) + (f" ({ratio:.1%})" if ratio is not None else "")),
+        ("max_bytes", _human(s["max_bytes"]) if s["max_bytes"] else "unbounded"),
+        ("watermarks", f"{s['low_watermark']:.0%} .. {s['high_watermark']:.0%}"),
+        ("blocks", str(s["blocks"])),
+        ("namespaces", str(s["namespaces"])),
+        ("hits", str(s["hits"])),
+        ("misses", str(s["misses"])),
+        ("evictions", f"{s['evictions']} ({_human(s['evicted_bytes'])})"),
+        ("uptime", f"{s['uptime_s']:.0f} s"),
+    ]
+    for what, value in rows:
+        table.add_row(what, value)
+    console.print(table)
+
+
+def purge(
+    namespace: Annotated[str, typer.Argument(help="the namespace to remove, e.g. org_model_0123456789ab")],
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="do not ask")] = False,
+) -> None:
+    """Remove a namespace's blocks, rows and config from a running gateway."""
+    if not yes and not typer.confirm(f"purge every block of {namespace}?"):
+        raise typer.Exit(1)
+    r = _call("DELETE", url, f"/v1/namespaces/{namespace}", token)
+    console.print(f"purged {r['namespace']}: {r['blocks']} blocks, {_human(r['bytes'])}, config={r['config']}")
+
+
+async def _gc(data_dir: Path | None, db_url: str | None, temp_older_than_s: float, progress: Progress) -> Any:
+    from app.config import Settings
+    from app.index.migrate import upgrade_head
+    from app.index.repository import Index, make_engine
+    from app.reconcile import reconcile
+    from app.storage import build_store
+
+    overrides: dict[str, Any] = {"data_dir": data_dir, "db_url": db_url}
+    cfg = Settings(**{k: v for k, v in overrides.items() if v is not None})
+    store = build_store(cfg.backend, settings=cfg)
+    await store.start()
+    await upgrade_head(cfg.resolved_db_url)
+    index = Index(make_engine(cfg.resolved_db_url, sqlite_synchronous=cfg.sqlite_synchronous))
+    await index.start()
+    tasks: dict[str, Any] = {}
+
+    def note(phase: str, done: int, total: int) -> None:
+        if phase not in tasks:
+            tasks[phase] = progress.add_task(phase, total=max(total, 1))
+        progress.update(tasks[phase], completed=done if total else 1, total=max(total, 1))
+
+    try:
+        return await reconcile(
+            store=store,
+            index=index,
+            concurrency=cfg.reconcile_concurrency,
+            temp_older_than_s=temp_older_than_s,
+            progress=note,
+        )
+    finally:
+        await index.close()
+        await store.close()
+
+
+def gc(
+    data_dir: Annotated[Path | None, typer.Option(help="data root [env KVGATE_DATA_DIR]")] = None,
+    db_url: Annotated[str | None, typer.Option(help="index URL [env KVGATE_DB_URL]")] = None,
+    temp_older_than_s: Annotated[
+        float, typer.Option(help="remove temp files older than this (a live gateway may be writing newer ones)")
+    ] = 3600.0,
+) -> None:
+    """Reconcile the index with the store directly (no gateway needed): drop dead rows, adopt orphan data."""
+    columns = (TextColumn("{task.description:>7}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        report = asyncio.run(_gc(data_dir, db_url, temp_older_than_s, progress))
+    table = Table(title="kvgate gc", show_header=False)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    for what, value in (
+        ("rows dropped (no data)", report.rows_dropped),
+        ("blocks adopted (no row)", report.adopted),
+        ("rows re-read (size changed)", report.resized),
+        ("configs adopted", report.configs_adopted),
+        ("temp files removed", report.temp_removed),
+        ("left alone", len(report.left_alone)),
+        ("blocks now", report.blocks),
+        ("bytes now", _human(report.bytes)),
+        ("seconds", f"{report.seconds:.2f}"),
+    ):
+        table.add_row(what, str(value))
+    console.print(table)
+
+
+def register(cli: typer.Typer) -> None:
+    for fn in (ls, stats, purge, gc):
+        cli.command()(fn)

@@ -1,0 +1,194 @@
+"""Admin plane: what is stored per namespace, gateway stats, and purging a namespace."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, Field
+
+from app.api.deps import service
+from app.api.errors import documented
+from app.errors import InvalidRequest, NamespaceNotFound
+from app.eviction import Capacity
+from app.index.repository import NamespaceUsage
+from app.service import BlockService
+from connector.protocol import InvalidKey, config_path, parse_block_key, parse_namespace
+
+router = APIRouter(prefix="/v1", tags=["admin"])
+
+PURGE_CONCURRENCY = 16
+
+
+class NamespaceSummary(BaseModel):
+    namespace: str
+    blocks: int
+    bytes: int
+    hits: int = Field(description="reads (GET) of its blocks, as flushed to the index")
+    last_write: float | None = Field(description="unix time of the newest block write")
+    last_access: float | None = Field(description="unix time of the newest read or write")
+    never_read_ratio: float = Field(
+        description="share of its blocks written and never read: near 1.0 means the engine's hashes are not "
+        "deterministic (nothing it writes is ever found again)"
+    )
+    has_config: bool = Field(description="its run fields are recorded (PUT /v1/namespaces/{ns}/config)")
+
+
+class NamespaceList(BaseModel):
+    namespaces: list[NamespaceSummary]
+
+
+class PurgeResult(BaseModel):
+    namespace: str
+    blocks: int = Field(description="blocks removed")
+    bytes: int = Field(description="bytes removed")
+    config: bool = Field(description="its config was removed too")
+
+
+class Stats(BaseModel):
+    usage_bytes: int
+    max_bytes: int | None
+    usage_ratio: float | None = Field(description="usage_bytes / max_bytes")
+    high_watermark: float
+    low_watermark: float
+    namespace_quota_bytes: int | None
+    blocks: int
+    namespaces: int
+    hits: int = Field(description="GET/HEAD that found the block")
+    misses: int = Field(description="GET/HEAD that did not")
+    evictions: int
+    evicted_bytes: int
+    uptime_s: float
+
+
+def capacity(request: Request) -> Capacity:
+    cap: Capacity = request.app.state.capacity
+    return cap
+
+
+def _summary(u: NamespaceUsage, *, has_config: bool) -> NamespaceSummary:
+    return NamespaceSummary(
+        namespace=u.namespace,
+        blocks=u.blocks,
+        bytes=u.bytes,
+        hits=u.hits,
+        last_write=u.last_write,
+        last_access=u.last_access,
+        never_read_ratio=(u.never_read / u.blocks) if u.blocks else 0.0,
+        has_config=has_config,
+    )
+
+
+def _empty(name: str) -> NamespaceUsage:
+    return NamespaceUsage(namespace=name, blocks=0, bytes=0, hits=0, never_read=0, last_write=None, last_access=None)
+
+
+def _check(namespace: str) -> None:
+    try:
+        parse_namespace(namespace)
+    except InvalidKey as exc:
+        raise InvalidRequest(str(exc)) from exc
+
+
+@router.get(
+    "/namespaces",
+    response_model=NamespaceList,
+    summary="Every namespace: blocks, bytes, hits",
+    responses=documented(503),
+)
+async def list_namespaces(svc: Annotated[BlockService, Depends(service)]) -> NamespaceList:
+    await svc.index.flush_access()
+    usage = {u.namespace: u for u in await svc.index.namespace_usage()}
+    configured = set(await svc.index.namespace_names())
+    names = sorted(set(usage) | configured)
+    return NamespaceList(namespaces=[_summary(usage.get(n) or _empty(n), has_config=n in configured) for n in names])
+
+
+@router.get(
+    "/namespaces/{namespace}",
+    response_model=NamespaceSummary,
+    summary="One namespace: blocks, bytes, hits",
+    responses=documented(400, 404, 503),
+)
+async def get_namespace(namespace: str, svc: Annotated[BlockService, Depends(service)]) -> NamespaceSummary:
+    _check(namespace)
+    await svc.index.flush_access()
+    rows = await svc.index.namespace_usage(namespace)
+    has_config = await svc.index.get_namespace(namespace) is not None
+    if not rows and not has_config:
+        raise NamespaceNotFound(namespace)
+    return _summary(rows[0] if rows else _empty(namespace), has_config=has_config)
+
+
+@router.delete(
+    "/namespaces/{namespace}",
+    response_model=PurgeResult,
+    summary="Purge a namespace: block data, rows and config",
+    responses=documented(400, 404, 503),
+)
+async def purge_namespace(
+    namespace: str,
+    svc: Annotated[BlockService, Depends(service)],
+    cap: Annotated[Capacity, Depends(capacity)],
+) -> PurgeResult:
+    _check(namespace)
+    blocks = await svc.index.namespace_blocks(namespace)
+    has_config = await svc.index.get_namespace(namespace) is not None
+    # Data without a row (not reconciled yet) goes too: list the namespace's rank directories.
+    orphans: list[str] = []
+    known = {k for k, _ in blocks}
+    async for info in svc.store.list(prefix=f"{namespace}_r"):
+        try:
+            if parse_block_key(info.key).namespace == namespace and info.key not in known:
+                orphans.append(info.key)
+        except InvalidKey:
+            continue
+    if not blocks and not has_config and not orphans:
+        raise NamespaceNotFound(namespace)
+    sem = asyncio.Semaphore(PURGE_CONCURRENCY)
+
+    async def unlink(key: str) -> None:
+        async with sem:
+            svc.cache.drop(key)
+            await svc.store.delete(key)
+
+    # Data first, then rows (as eviction does): a crash in between leaves rows that reconcile drops.
+    await asyncio.gather(*(unlink(k) for k in [*known, *orphans]))
+    removed = await svc.index.delete_blocks(list(known))
+    for key in known:
+        svc.cache.drop(key)
+    nbytes = sum(size for _, size in blocks)
+    for _, size in blocks:
+        cap.removed(namespace=namespace, size=size)
+    if has_config:
+        await svc.store.delete(config_path(namespace))  # False if already gone
+        await svc.index.delete_namespace(namespace)
+    return PurgeResult(namespace=namespace, blocks=removed, bytes=nbytes, config=has_config)
+
+
+@router.get(
+    "/stats", response_model=Stats, summary="Usage, capacity, hits, misses, evictions", responses=documented(503)
+)
+async def stats(
+    request: Request,
+    svc: Annotated[BlockService, Depends(service)],
+    cap: Annotated[Capacity, Depends(capacity)],
+) -> Stats:
+    usage = cap.usage
+    return Stats(
+        usage_bytes=usage.bytes,
+        max_bytes=cap.max_bytes,
+        usage_ratio=(usage.bytes / cap.max_bytes) if cap.max_bytes else None,
+        high_watermark=cap.high,
+        low_watermark=cap.low,
+        namespace_quota_bytes=cap.quota,
+        blocks=usage.blocks,
+        namespaces=len(usage.by_namespace),
+        hits=svc.counters.hits,
+        misses=svc.counters.misses,
+        evictions=cap.evictions,
+        evicted_bytes=cap.evicted_bytes,
+        uptime_s=time.monotonic() - request.app.state.started_at,
+    )

@@ -1,0 +1,128 @@
+"""Prometheus metrics: one registry per app instance, a pure-ASGI middleware, and ``GET /metrics``.
+
+Requests are labelled by the route's path template (``/v1/blocks/{path:path}``), never the raw URL, so the label
+cardinality is bounded by the number of routes. Hits, misses, evictions and usage are read at scrape time from the
+service and the capacity objects (no double bookkeeping on the request path).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+UNMATCHED = "<unmatched>"
+
+
+class HttpMetrics:
+    """The request-side collectors, registered on the app's own registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter("kvgate_requests", "HTTP requests", ["method", "route", "status"], registry=registry)
+        self.latency = Histogram(
+            "kvgate_request_duration_seconds",
+            "HTTP request latency, until the last body byte is sent",
+            ["method", "route"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.bytes_in = Counter("kvgate_bytes_in", "request body bytes received", registry=registry)
+        self.bytes_out = Counter("kvgate_bytes_out", "response body bytes sent", registry=registry)
+
+
+class ServiceCollector(Collector):
+    """Hits, misses, evictions and usage, read from the live objects at scrape time."""
+
+    def __init__(self, app_state: Any) -> None:
+        self._state = app_state
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        svc = getattr(self._state, "service", None)
+        cap = getattr(self._state, "capacity", None)
+        if svc is None or cap is None:
+            return
+        yield CounterMetricFamily("kvgate_hits", "block reads (GET/HEAD) that found the block", svc.counters.hits)
+        yield CounterMetricFamily("kvgate_misses", "block reads (GET/HEAD) that missed", svc.counters.misses)
+        yield CounterMetricFamily("kvgate_evictions", "blocks evicted to stay within capacity", cap.evictions)
+        yield CounterMetricFamily("kvgate_evicted_bytes", "bytes evicted to stay within capacity", cap.evicted_bytes)
+        yield GaugeMetricFamily("kvgate_usage_bytes", "bytes of stored blocks", cap.usage.bytes)
+        yield GaugeMetricFamily("kvgate_usage_blocks", "stored blocks", cap.usage.blocks)
+        if cap.max_bytes is not None:
+            yield GaugeMetricFamily("kvgate_max_bytes", "capacity bound", cap.max_bytes)
+
+
+class MetricsMiddleware:
+    """Counts requests, bytes and latency per route template; pure ASGI, so streaming is untouched."""
+
+    def __init__(self, app: ASGIApp, *, metrics: HttpMetrics) -> None:
+        self.app = app
+        self.m = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        began = time.perf_counter()
+        is_head = scope.get("method") == "HEAD"  # the server drops a HEAD's body: it never goes out
+        status = 500
+        sent = 0
+        received = 0
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+            return message
+
+        async def counting_send(message: Message) -> None:
+            nonlocal status, sent
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body" and not is_head:
+                sent += len(message.get("body", b""))
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, counting_send)
+        finally:
+            route = scope.get("route")
+            template = getattr(route, "path_format", None) or getattr(route, "path", None) or UNMATCHED
+            method = scope.get("method", "")
+            self.m.requests.labels(method, template, str(status)).inc()
+            self.m.latency.labels(method, template).observe(time.perf_counter() - began)
+            if received:
+                self.m.bytes_in.inc(received)
+            if sent:
+                self.m.bytes_out.inc(sent)
+
+
+router = APIRouter(tags=["health"])
+
+
+@router.get(
+    "/metrics",
+    summary="Prometheus metrics (text exposition format)",
+    response_class=Response,
+    responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "metrics"}},
+)
+async def metrics(request: Request) -> Response:
+    registry: CollectorRegistry = request.app.state.metrics_registry
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def install(app: Any) -> None:
+    """Give ``app`` its own registry, the middleware and the route."""
+    registry = CollectorRegistry(auto_describe=True)
+    http = HttpMetrics(registry)
+    registry.register(ServiceCollector(app.state))
+    app.state.metrics_registry = registry
+    app.add_middleware(MetricsMiddleware, metrics=http)
+    app.include_router(router)

@@ -1,0 +1,176 @@
+"""Reconcile the index with the store: at start-up (before serving) and from ``kvgate gc``.
+
+- temp files of interrupted writes are removed (filesystem store);
+- a row whose data is gone is dropped; a row whose data has another size is re-read and re-recorded;
+- data without a row is adopted: size and digest recomputed (bounded concurrency), namespace/rank/group parsed
+  from the key with connector.protocol.parse_block_key; created/last access = the object's mtime, 0 hits;
+- keys that are not block keys: ``<ns>/config.json`` is adopted into the namespaces table if its fields hash to
+  the name; anything else (and part data under ``_parts/``) is left alone and logged.
+
+DB work is batched: one scan of (key, size), one chunked DELETE, chunked executemany upserts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from app.errors import BlockNotFound
+from app.index import BlockRecord, Index
+from app.parts import PARTS_PREFIX
+from app.storage import BlockStore, ObjectInfo
+from connector.protocol import InvalidKey, check_namespace_fields, parse_block_key, parse_config_key
+
+log = logging.getLogger("kvgate.reconcile")
+
+Progress = Callable[[str, int, int], None]
+"""progress(phase, done, total): phases 'scan', 'digest', 'write'."""
+
+
+@dataclass(slots=True)
+class ReconcileReport:
+    rows_dropped: int = 0
+    adopted: int = 0
+    resized: int = 0
+    configs_adopted: int = 0
+    temp_removed: int = 0
+    left_alone: list[str] = field(default_factory=list)
+    blocks: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+async def _read_small(store: BlockStore, key: str, *, limit: int = 1 << 20) -> bytes | None:
+    reader = await store.open(key)
+    try:
+        if reader.size > limit:
+            return None
+        return b"".join([c async for c in reader.chunks(start=0, end=reader.size)])
+    finally:
+        await reader.aclose()
+
+
+async def _adopt_config(store: BlockStore, index: Index, key: str, known: set[str]) -> bool:
+    """Adopt ``<ns>/config.json`` into the namespaces table; False if it is not one or does not check out."""
+    try:
+        namespace = parse_config_key(key)
+    except InvalidKey:
+        return False
+    if namespace in known:
+        return True
+    raw = await _read_small(store, key)
+    try:
+        fields = json.loads(raw) if raw is not None else None
+        if not isinstance(fields, dict):
+            return False
+        check_namespace_fields(namespace, fields)
+    except (ValueError, InvalidKey):
+        return False
+    await index.put_namespace(name=namespace, fields=fields)
+    known.add(namespace)
+    return True
+
+
+async def reconcile(
+    *,
+    store: BlockStore,
+    index: Index,
+    concurrency: int = 8,
+    temp_older_than_s: float = 0.0,
+    progress: Progress | None = None,
+) -> ReconcileReport:
+    """Make the index agree with the store; returns what changed. Safe to run again at any time."""
+    began = time.monotonic()
+    report = ReconcileReport()
+    note = progress or (lambda _phase, _done, _total: None)
+    remove_temp = getattr(store, "remove_temp_files", None)
+    if remove_temp is not None:
+        report.temp_removed = int(await remove_temp(older_than_s=temp_older_than_s))
+
+    rows = await index.block_sizes()
+    blocks: dict[str, ObjectInfo] = {}
+    others: list[str] = []
+    async for info in store.list():
+        if info.key.startswith(PARTS_PREFIX):
+            continue
+        try:
+            if parse_block_key(info.key).path == info.key:
+                blocks[info.key] = info
+                continue
+        except InvalidKey:
+            pass
+        others.append(info.key)
+    note("scan", len(blocks), len(blocks))
+
+    missing = [k for k in rows if k not in blocks]
+    report.rows_dropped = await index.delete_blocks(missing)
+    todo = [info for k, info in blocks.items() if rows.get(k) != info.size]
+    report.resized = sum(1 for info in todo if info.key in rows)
+
+    sem = asyncio.Semaphore(concurrency)
+    done = 0
+    records: list[BlockRecord] = []
+
+    async def adopt(info: ObjectInfo) -> None:
+        nonlocal done
+        async with sem:
+            try:
+                meta = await store.digest(info.key)
+            except BlockNotFound:
+                meta = None  # removed while we walked
+        done += 1
+        if done % 256 == 0 or done == len(todo):
+            note("digest", done, len(todo))
+        if meta is None:
+            return
+        key = parse_block_key(info.key)
+        records.append(
+            BlockRecord(
+                key=info.key,
+                namespace=key.namespace,
+                rank=key.rank,
+                group=key.group,
+                size=meta.size,
+                digest=meta.digest,
+                created_at=info.mtime,
+                last_access=info.mtime,
+                hits=0,
+            )
+        )
+
+    note("digest", 0, len(todo))
+    await asyncio.gather(*(adopt(info) for info in todo))
+    note("write", 0, len(records))
+    await index.adopt_many(records)
+    note("write", len(records), len(records))
+    report.adopted = len(records) - report.resized
+
+    known = set(await index.namespace_names())
+    for key in others:
+        before = len(known)
+        if await _adopt_config(store, index, key, known):
+            report.configs_adopted += len(known) - before
+        else:
+            report.left_alone.append(key)
+            log.warning("reconcile: left alone key=%s (neither a block nor a valid namespace config)", key)
+
+    usage = await index.namespace_usage()
+    report.blocks = sum(u.blocks for u in usage)
+    report.bytes = sum(u.bytes for u in usage)
+    report.seconds = time.monotonic() - began
+    log.info(
+        "reconcile dropped=%s adopted=%s resized=%s configs=%s temp=%s blocks=%s bytes=%s in %.2fs",
+        report.rows_dropped,
+        report.adopted,
+        report.resized,
+        report.configs_adopted,
+        report.temp_removed,
+        report.blocks,
+        report.bytes,
+        report.seconds,
+    )
+    return report

@@ -172,6 +172,9 @@ class PartAssembler:
         path = key.path
         try:
             stored = await self.store.put(path, self._concat(parts), size=total)
+        except Conflict:  # a stored part is corrupt: drop them all, the writers send them again next time
+            await self.drop(path, parts)
+            raise
         except BlockNotFound:
             record = await self.index.get(path)
             if record is not None and record.size == total:  # another replica assembled it and dropped the parts

@@ -1,0 +1,233 @@
+"""The worker side of the connector, free of vLLM: gather -> fence -> PUT, and GET -> scatter, per request.
+
+Stores: ``BlockTransfer.gather`` copies a batch of blocks into a pinned buffer (no CPU wait); the batch and its
+upload then run on the client's loop: wait for the copy event, PUT each block (the client hashes it), release the
+buffer. A batch that finds no free buffer or no room in the client's in-flight budget is dropped and counted.
+
+Loads: for each window of blocks, GET each block's bytes (a TP rank's range of the canonical object when the run
+is parallel-agnostic), then scatter the window into the KV tensors and wait for its event. The first block that
+misses, fails or is corrupt ends the load: it and every later block of the request are reported as load errors.
+
+Parallel-agnostic runs name blocks once (rank 0) and store the canonical object: rank ``r`` of ``tp`` PUTs its
+byte range as a part (``Content-Range``), and a reader at any TP size GETs the range of its own heads. Other runs
+store each rank's whole local block under its rank's path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from connector.client import BlockClient, ConnectorError
+from connector.layout import BlockGeometry, rank_byte_range
+from connector.plan import BlockJob
+from connector.protocol import RunNaming
+from connector.transfer import BlockTransfer, StagedBatch
+
+log = logging.getLogger("kvgate.connector.pipeline")
+
+
+@dataclass(slots=True)
+class PipelineStats:
+    stored_blocks: int = 0
+    dropped_blocks: int = 0
+    failed_blocks: int = 0
+    loaded_blocks: int = 0
+    load_errors: int = 0
+
+
+@dataclass(slots=True)
+class _Pending:
+    batches: list[StagedBatch] = field(default_factory=list)
+    uploads: list[concurrent.futures.Future[int]] = field(default_factory=list)
+
+
+class WorkerPipeline:
+    """One worker rank's stores and loads. ``transfers[g]`` moves the blocks of KV-cache group ``g``."""
+
+    def __init__(
+        self,
+        *,
+        client: BlockClient,
+        naming: RunNaming,
+        transfers: Sequence[BlockTransfer],
+        tp_size: int,
+        tp_rank: int,
+    ) -> None:
+        self.client = client
+        self.naming = naming
+        self.transfers = list(transfers)
+        self.tp_size = tp_size
+        self.tp_rank = tp_rank
+        self.stats = PipelineStats()
+        self._lock = threading.Lock()
+        self._stores: dict[str, _Pending] = {}
+        self._loads: dict[str, tuple[BlockJob, concurrent.futures.Future[set[int]]]] = {}
+
+    # -- naming and byte ranges ------------------------------------------------------------------------------
+
+    def _canonical(self, transfer: BlockTransfer) -> BlockGeometry:
+        g = transfer.geometry
+        if not self.naming.parallel_agnostic:
+            return g
+        return BlockGeometry(
+            num_layers=g.num_layers,
+            num_kv_heads=g.num_kv_heads * self.tp_size,
+            head_size=g.head_size,
+            block_size=g.block_size,
+            itemsize=g.itemsize,
+        )
+
+    def part_range(self, transfer: BlockTransfer) -> tuple[int, int, int] | None:
+        """``(start, end, total)`` of this rank's part of a block object; None when it writes the whole object."""
+        if not self.naming.parallel_agnostic or self.tp_size == 1:
+            return None
+        canonical = self._canonical(transfer)
+        start, end = rank_byte_range(canonical, tp_size=self.tp_size, rank=self.tp_rank)
+        return start, end, canonical.block_bytes
+
+    # -- stores --------------------------------------------------------------------------------------------
+
+    def store(self, job: BlockJob) -> None:
+        """Start storing ``job``'s blocks; never waits on the network or the copy."""
+        pending = self._pending(job.req_id)
+        for group, transfer in enumerate(self.transfers):
+            ids = job.block_ids[group]
+            part = self.part_range(transfer)
+            for start in range(0, len(ids), transfer.max_blocks_per_batch):
+                chunk = ids[start : start + transfer.max_blocks_per_batch]
+                keys = [self.naming.block(h, group) for h in job.hashes[start : start + len(chunk)]]
+                nbytes = len(chunk) * transfer.geometry.block_bytes
+                if not self.client.reserve(nbytes):
+                    self.stats.dropped_blocks += len(chunk)
+                    continue
+                batch = transfer.gather(chunk)
+                if batch is None:
+                    self.client.release(nbytes)
+                    self.stats.dropped_blocks += len(chunk)
+                    continue
+                pending.batches.append(batch)
+                pending.uploads.append(self.client.submit(self._upload(batch, keys, part, nbytes)))
+
+    async def _upload(self, batch: StagedBatch, keys: list[str], part: tuple[int, int, int] | None, nbytes: int) -> int:
+        try:
+            await batch.wait()
+            results = await asyncio.gather(
+                *(self.client.put(key, batch.block_view(i), content_range=part) for i, key in enumerate(keys)),
+                return_exceptions=True,
+            )
+        finally:
+            batch.release()
+            self.client.release(nbytes)
+        ok = 0
+        for key, result in zip(keys, results, strict=True):
+            if isinstance(result, BaseException):
+                self.stats.failed_blocks += 1
+                self.client.stats.failed_stores += 1
+                log.warning("store failed key=%s: %s", key, result)
+            else:
+                ok += 1
+        self.stats.stored_blocks += ok
+        return ok
+
+    def _pending(self, req_id: str) -> _Pending:
+        with self._lock:
+            return self._stores.setdefault(req_id, _Pending())
+
+    def copies_done(self, req_id: str) -> bool:
+        """True once every gather of ``req_id`` has left the KV tensors (its blocks may then be reused)."""
+        pending = self._stores.get(req_id)
+        return pending is None or all(b.done() for b in pending.batches)
+
+    def forget(self, req_id: str) -> None:
+        with self._lock:
+            self._stores.pop(req_id, None)
+
+    def sync_copies(self) -> None:
+        """Wait for every gather still reading the KV tensors (before vLLM reuses preempted blocks)."""
+        with self._lock:
+            batches = [b for p in self._stores.values() for b in p.batches]
+        for b in batches:
+            if not b.done():
+                b.synchronize()
+
+    def wait_uploads(self, timeout_s: float | None = None) -> None:
+        """Wait until every upload started so far has finished (tests, benchmarks and shutdown)."""
+        with self._lock:
+            futs = [f for p in self._stores.values() for f in p.uploads]
+        concurrent.futures.wait(futs, timeout=timeout_s)
+
+    # -- loads ---------------------------------------------------------------------------------------------
+
+    def load(self, job: BlockJob) -> concurrent.futures.Future[set[int]]:
+        """Start loading ``job``; the future gives the block ids that could not be loaded (empty: all loaded)."""
+        fut = self.client.submit(self._load(job))
+        with self._lock:
+            self._loads[job.req_id] = (job, fut)
+        return fut
+
+    async def _load(self, job: BlockJob) -> set[int]:
+        n = len(job.hashes)
+        window = min(t.max_blocks_per_batch for t in self.transfers)
+        loaded = 0
+        try:
+            while loaded < n:
+                got = await self._fetch_window(job, loaded, min(n, loaded + window))
+                good = next((i for i, blocks in enumerate(got) if blocks is None), len(got))
+                if good:
+                    await self._scatter(job, loaded, [b for b in got[:good] if b is not None])
+                loaded += good
+                if good < len(got):  # a block of this window is missing: the rest is recomputed
+                    break
+        except (ConnectorError, OSError, ValueError) as exc:
+            log.error("load failed req=%s after %d of %d blocks: %s", job.req_id, loaded, n, exc)
+        failed = {bid for group in job.block_ids for bid in group[loaded:]}
+        self.stats.loaded_blocks += loaded
+        if failed:
+            self.stats.load_errors += n - loaded
+        return failed
+
+    async def _fetch_window(self, job: BlockJob, start: int, end: int) -> list[list[bytes] | None]:
+        """For each block in ``[start, end)``: its bytes per group, or None if any group's bytes are missing."""
+        ranges = [self.part_range(t) for t in self.transfers]
+
+        async def one(i: int, group: int) -> bytes | None:
+            key = self.naming.block(job.hashes[i], group)
+            part = ranges[group]
+            try:
+                return await self.client.get(key, byte_range=None if part is None else part[:2])
+            except ConnectorError as exc:
+                log.warning("load read failed key=%s: %s", key, exc)
+                return None
+
+        got = await asyncio.gather(*(one(i, g) for i in range(start, end) for g in range(len(self.transfers))))
+        per_block: list[list[bytes] | None] = []
+        width = len(self.transfers)
+        for b in range(end - start):
+            row = got[b * width : (b + 1) * width]
+            per_block.append(None if any(x is None for x in row) else [x for x in row if x is not None])
+        return per_block
+
+    async def _scatter(self, job: BlockJob, start: int, blocks: list[list[bytes]]) -> None:
+        for group, transfer in enumerate(self.transfers):
+            ids = job.block_ids[group][start : start + len(blocks)]
+            handle = await transfer.scatter_many(ids, [b[group] for b in blocks])
+            await handle.wait()
+
+    def finished_loads(self) -> dict[str, set[int]]:
+        """Loads that completed since the last call: request id -> block ids that failed to load."""
+        done: dict[str, set[int]] = {}
+        with self._lock:
+            for req_id, (job, fut) in list(self._loads.items()):
+                if fut.done():
+                    del self._loads[req_id]
+                    try:
+                        done[req_id] = fut.result()
+                    except BaseException as exc:  # a bug: report every block as failed, never a silent load
+                        log.error("load crashed req=%s: %r", req_id, exc)
+                        done[req_id] = {bid for group in job.block_ids for bid in group}
+        return done

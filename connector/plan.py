@@ -1,0 +1,203 @@
+"""What to load and store for each request: the scheduler-side core of the connector, free of vLLM.
+
+connector/vllm.py feeds it plain values (request ids, block hashes, block ids per KV-cache group, token counts)
+and ships the ``StepPlan`` it builds to the workers. One ``POST /v1/lookup`` per request decides the hit; the
+lookup runs on the client's loop and is picked up by a later call (``None``: "ask again"), so the scheduler never
+waits on the network for longer than ``lookup_wait_s``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from connector.client import BlockClient, ConnectorError, LookupSlot
+from connector.protocol import RunNaming, block_path
+
+log = logging.getLogger("kvgate.connector.plan")
+
+
+@dataclass(frozen=True, slots=True)
+class BlockJob:
+    """Blocks of one request to move, per KV-cache group: ``block_ids[g][i]`` holds the block of ``hashes[i]``."""
+
+    req_id: str
+    hashes: tuple[bytes, ...]
+    block_ids: tuple[tuple[int, ...], ...]
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """The connector metadata of one scheduler step."""
+
+    loads: list[BlockJob] = field(default_factory=list)
+    stores: list[BlockJob] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Request:
+    hashes: Sequence[bytes]
+    """The request's live block-hash list (it grows as tokens are added)."""
+    hash_stride: int
+    block_ids: list[list[int]]
+    lookup: concurrent.futures.Future[tuple[int, list[LookupSlot]]] | None = None
+    present: int = 0
+    """Leading blocks the gateway holds (from the lookup): never stored again."""
+    stored: int = 0
+    """Leading blocks already planned for a store."""
+    load_start: int = 0
+    load_blocks: int = 0
+
+
+class KeyScheme:
+    """Block paths for a run: the paths every writer rank uses, for lookups (one group index per KV group)."""
+
+    def __init__(self, *, namings: Sequence[RunNaming], num_groups: int) -> None:
+        if not namings:
+            raise ValueError("at least one rank's naming is needed")
+        self.namings = list(namings)
+        self.num_groups = num_groups
+
+    @property
+    def keys_per_block(self) -> int:
+        return len(self.namings) * self.num_groups
+
+    def keys(self, hashes: Sequence[bytes]) -> list[str]:
+        """Block-major: for each block, every (rank, group) path; a block is present when all of them are."""
+        return [
+            block_path(namespace=n.namespace, rank=n.rank, block_hash=h, group=g)
+            for h in hashes
+            for n in self.namings
+            for g in range(self.num_groups)
+        ]
+
+
+class SchedulerPlanner:
+    def __init__(
+        self,
+        *,
+        client: BlockClient,
+        keys: KeyScheme,
+        block_size: int,
+        hash_block_size: int,
+        lookup_wait_s: float = 0.02,
+        load_enabled: bool = True,
+        store_enabled: bool = True,
+    ) -> None:
+        if block_size % hash_block_size:
+            raise ValueError(f"block size {block_size} is not a multiple of the hash block size {hash_block_size}")
+        self.client = client
+        self.keys = keys
+        self.block_size = block_size
+        self.hash_stride = block_size // hash_block_size
+        self.lookup_wait_s = lookup_wait_s
+        self.load_enabled = load_enabled
+        self.store_enabled = store_enabled
+        self._requests: dict[str, _Request] = {}
+        self._plan = StepPlan()
+
+    def _hashes(self, req: _Request, upto: int | None = None) -> list[bytes]:
+        """The request's hashes at block granularity: the hash of each block's last sub-block."""
+        n = len(req.hashes) // req.hash_stride
+        if upto is not None:
+            n = min(n, upto)
+        return [bytes(req.hashes[(i + 1) * req.hash_stride - 1]) for i in range(n)]
+
+    # -- the hit -------------------------------------------------------------------------------------------
+
+    def matched_tokens(
+        self, *, req_id: str, block_hashes: Sequence[bytes], num_tokens: int, num_computed_tokens: int
+    ) -> int | None:
+        """Tokens beyond ``num_computed_tokens`` that kvgate can supply; None while the lookup is in flight."""
+        req = self._requests.get(req_id)
+        if req is None:
+            req = _Request(hashes=block_hashes, hash_stride=self.hash_stride, block_ids=[])
+            self._requests[req_id] = req
+        if req.lookup is None:
+            hashes = self._hashes(req)
+            if not hashes:
+                return 0
+            req.lookup = self.client.submit(self.client.lookup(self.keys.keys(hashes)))
+        try:
+            prefix, _ = req.lookup.result(timeout=self.lookup_wait_s)
+        except concurrent.futures.TimeoutError:
+            return None
+        except ConnectorError as exc:
+            log.warning("lookup failed req=%s: %s", req_id, exc)
+            return 0
+        req.present = prefix // self.keys.keys_per_block
+        req.stored = max(req.stored, req.present)
+        if not self.load_enabled:
+            return 0
+        local = num_computed_tokens // self.block_size
+        hit_blocks = req.present
+        if hit_blocks * self.block_size >= num_tokens:  # vLLM must compute at least the last token
+            hit_blocks = (num_tokens - 1) // self.block_size
+        extra = max(0, hit_blocks - local)
+        req.load_start, req.load_blocks = local, extra
+        return extra * self.block_size if extra else 0
+
+    def after_alloc(self, *, req_id: str, block_ids: Sequence[Sequence[int]], num_external_tokens: int) -> None:
+        req = self._requests.get(req_id)
+        if req is None:
+            return
+        req.block_ids = [list(ids) for ids in block_ids]
+        if num_external_tokens <= 0 or req.load_blocks == 0:
+            return
+        start, count = req.load_start, num_external_tokens // self.block_size
+        hashes = self._hashes(req, upto=start + count)[start:]
+        ids = tuple(tuple(g[start : start + len(hashes)]) for g in req.block_ids)
+        if hashes and all(len(g) == len(hashes) for g in ids):
+            self._plan.loads.append(BlockJob(req_id=req_id, hashes=tuple(hashes), block_ids=ids))
+        req.load_blocks = 0
+
+    # -- the step ------------------------------------------------------------------------------------------
+
+    def scheduled(
+        self,
+        *,
+        req_id: str,
+        new_block_ids: Sequence[Sequence[int]] | None,
+        num_computed_tokens: int,
+        num_scheduled_tokens: int,
+        replace: bool = False,
+    ) -> None:
+        """A request ran this step: blocks that become full by its end are planned for a store."""
+        req = self._requests.get(req_id)
+        if req is None:
+            return
+        if new_block_ids is not None:
+            if replace or not req.block_ids:
+                req.block_ids = [list(ids) for ids in new_block_ids]
+            else:
+                for have, more in zip(req.block_ids, new_block_ids, strict=True):
+                    have.extend(more)
+        if not self.store_enabled or not req.block_ids:
+            return
+        full = (num_computed_tokens + num_scheduled_tokens) // self.block_size
+        hashes = self._hashes(req, upto=min(full, *(len(g) for g in req.block_ids)))
+        if len(hashes) <= req.stored:
+            return
+        start = req.stored
+        ids = tuple(tuple(g[start : len(hashes)]) for g in req.block_ids)
+        self._plan.stores.append(BlockJob(req_id=req_id, hashes=tuple(hashes[start:]), block_ids=ids))
+        req.stored = len(hashes)
+
+    def build(self) -> StepPlan:
+        plan, self._plan = self._plan, StepPlan()
+        return plan
+
+    def finished(self, req_id: str) -> bool:
+        """Forget ``req_id``; True when stores were planned for it (its blocks must outlive their copies)."""
+        req = self._requests.pop(req_id, None)
+        if req is None:
+            return False
+        if req.lookup is not None:
+            req.lookup.cancel()
+        return req.stored > req.present
+
+    @property
+    def tracked(self) -> int:
+        return len(self._requests)

@@ -1,0 +1,326 @@
+"""KVGateConnector: vLLM's ``KVConnectorBase_V1`` mapped onto connector.plan (scheduler) and connector.pipeline
+(worker). The only module that imports vllm; everything it decides is in those plain, vLLM-free classes.
+
+    --kv-transfer-config '{"kv_connector":"KVGateConnector","kv_connector_module_path":"connector.vllm",
+                           "kv_role":"kv_both","kv_connector_extra_config":{"url":"http://127.0.0.1:8750"}}'
+
+Loads are asynchronous: ``get_num_new_matched_tokens`` answers from one ``POST /v1/lookup`` per request (``None``
+while it is in flight), the worker fetches and scatters between steps and reports the request in
+``get_finished``; blocks that could not be loaded are reported by ``get_block_ids_with_load_errors`` and vLLM
+recomputes them. Stores are best effort: a block that does not fit the bounded buffers is dropped and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from connector.client import BlockClient, ClientConfig
+from connector.pipeline import WorkerPipeline
+from connector.plan import KeyScheme, SchedulerPlanner, StepPlan
+from connector.protocol import KVGroup, RunNaming, naming
+from connector.transfer import BlockTransfer, KVLayout
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvgate.connector.vllm")
+
+
+class KVGateConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]  # vllm is untyped here
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+@dataclass(frozen=True, slots=True)
+class RunShape:
+    """What naming and planning need from vLLM's configs, as plain values."""
+
+    model_name: str
+    dtype: str
+    groups: tuple[KVGroup, ...]
+    num_kv_heads: int
+    total_kv_heads: int
+    tp_size: int
+    pp_size: int
+    pcp_size: int
+    dcp_size: int
+    rank: int
+    world_size: int
+    block_size: int
+    hash_block_size: int
+
+    def naming(self, rank: int) -> RunNaming:
+        return naming(
+            model_name=self.model_name,
+            tokens_per_hash=self.hash_block_size,
+            tp_size=self.tp_size,
+            rank=rank,
+            dtype=self.dtype,
+            groups=self.groups,
+            num_kv_heads=self.num_kv_heads,
+            total_kv_heads=self.total_kv_heads,
+            pp_size=self.pp_size,
+            pcp_size=self.pcp_size,
+            dcp_size=self.dcp_size,
+        )
+
+    @property
+    def movable(self) -> bool:
+        """kvgate moves full-attention groups only (a sliding-window group's early blocks are not kept)."""
+        return all(g.full_attention for g in self.groups)
+
+
+def run_shape(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> RunShape:
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+    model, cache, par = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    groups = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        full = isinstance(spec, FullAttentionSpec) and getattr(spec, "sliding_window", None) is None
+        groups.append(
+            KVGroup(
+                tokens_per_block=spec.block_size,
+                layer_names=tuple(group.layer_names),
+                full_attention=full,
+                mla=isinstance(spec, MLAAttentionSpec),
+            )
+        )
+    first = kv_cache_config.kv_cache_groups[0].kv_cache_spec if kv_cache_config.kv_cache_groups else None
+    block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    dtype = model.dtype if cache.cache_dtype == "auto" else cache.cache_dtype
+    return RunShape(
+        model_name=model.model,
+        dtype=str(dtype).removeprefix("torch."),
+        groups=tuple(groups),
+        num_kv_heads=int(getattr(first, "num_kv_heads", 1)),
+        total_kv_heads=model.get_total_num_kv_heads(),
+        tp_size=par.tensor_parallel_size,
+        pp_size=par.pipeline_parallel_size,
+        pcp_size=par.prefill_context_parallel_size,
+        dcp_size=par.decode_context_parallel_size,
+        rank=par.rank,
+        world_size=par.world_size,
+        block_size=block_size,
+        hash_block_size=hash_block_size,
+    )
+
+
+def client_config(extra: dict[str, Any]) -> ClientConfig:
+    return ClientConfig(
+        base_url=str(extra.get("url", "http://127.0.0.1:8750")),
+        max_connections=int(extra.get("max_connections", 32)),
+        request_timeout_s=float(extra.get("timeout_s", 30.0)),
+        lookup_timeout_s=float(extra.get("lookup_timeout_s", 2.0)),
+        max_inflight_bytes=int(extra.get("max_inflight_mib", 1024)) * 1024 * 1024,
+        retries=int(extra.get("retries", 3)),
+    )
+
+
+def as_layer_tensor(kv: torch.Tensor, *, num_kv_heads: int, block_size: int) -> tuple[torch.Tensor, KVLayout]:
+    """A ``(2, blocks, ...)`` view of one layer's KV tensor, whatever the backend's axis order, and its layout."""
+    if kv.dim() == 5 and kv.shape[1] == 2 and kv.shape[0] != 2:
+        kv = kv.transpose(0, 1)
+    if kv.dim() == 4:  # [blocks, H|N, N|H, 2 * head_size]: K and V side by side in the content axis
+        b, x, y, c = kv.shape
+        kv = kv.view(b, x, y, 2, c // 2).permute(3, 0, 1, 2, 4)
+    if kv.dim() != 5 or kv.shape[0] != 2:
+        raise ValueError(f"unsupported KV tensor shape {tuple(kv.shape)}")
+    if kv.shape[2] == block_size and kv.shape[3] == num_kv_heads:
+        return kv, KVLayout.NHD
+    if kv.shape[2] == num_kv_heads and kv.shape[3] == block_size:
+        return kv, KVLayout.HND
+    raise ValueError(f"cannot tell heads from tokens in KV tensor shape {tuple(kv.shape)}")
+
+
+class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+    _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self._extra = extra
+        self.shape = run_shape(vllm_config, kv_cache_config)
+        self.naming = self.shape.naming(self.shape.rank)
+        if not self.shape.movable:
+            log.warning("kvgate: a KV-cache group is not full attention; loads and stores are off")
+        self.client = BlockClient(client_config(extra))
+        self.planner: SchedulerPlanner | None = None
+        self.pipeline: WorkerPipeline | None = None
+        self._ever_stored: set[str] = set()
+        self._pending_free: set[str] = set()
+        self._loading: set[str] = set()
+        self._load_errors: set[int] = set()
+        if role == KVConnectorRole.SCHEDULER:
+            ranks = [0] if self.naming.parallel_agnostic else list(range(self.shape.world_size))
+            self.planner = SchedulerPlanner(
+                client=self.client,
+                keys=KeyScheme(namings=[self.shape.naming(r) for r in ranks], num_groups=len(self.shape.groups)),
+                block_size=self.shape.block_size,
+                hash_block_size=self.shape.hash_block_size,
+                lookup_wait_s=float(extra.get("lookup_wait_ms", 20)) / 1000,
+                load_enabled=self.shape.movable and bool(extra.get("load", True)),
+                store_enabled=self.shape.movable and bool(extra.get("store", True)),
+            )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped store is a future miss
+
+    # -- scheduler side ------------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.planner is None:
+            return 0, False
+        n = self.planner.matched_tokens(
+            req_id=request.request_id,
+            block_hashes=request.block_hashes,
+            num_tokens=request.num_tokens,
+            num_computed_tokens=num_computed_tokens,
+        )
+        if n is None:
+            return None, False
+        return n, n > 0
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if self.planner is not None:
+            self.planner.after_alloc(
+                req_id=request.request_id, block_ids=blocks.get_block_ids(), num_external_tokens=num_external_tokens
+            )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        if self.planner is None:
+            return KVGateConnectorMetadata(StepPlan())
+        tokens = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            self.planner.scheduled(
+                req_id=new.req_id,
+                new_block_ids=new.block_ids,
+                num_computed_tokens=new.num_computed_tokens,
+                num_scheduled_tokens=tokens.get(new.req_id, 0),
+                replace=True,
+            )
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            self.planner.scheduled(
+                req_id=req_id,
+                new_block_ids=cached.new_block_ids[i],
+                num_computed_tokens=cached.num_computed_tokens[i],
+                num_scheduled_tokens=tokens.get(req_id, 0),
+                replace=req_id in cached.resumed_req_ids,
+            )
+        return KVGateConnectorMetadata(self.planner.build())
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self.planner is None:
+            return False, None
+        return self.planner.finished(request.request_id), None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, [])
+
+    # -- worker side ---------------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        transfers = []
+        for group in self.shape.groups:
+            layers, layout = {}, KVLayout.NHD
+            for name in group.layer_names:
+                layers[name], layout = as_layer_tensor(
+                    kv_caches[name], num_kv_heads=self.shape.num_kv_heads, block_size=group.tokens_per_block
+                )
+            transfers.append(
+                BlockTransfer(
+                    kv_caches=layers,
+                    layout=layout,
+                    max_blocks_per_batch=int(self._extra.get("blocks_per_batch", 16)),
+                    store_buffers=int(self._extra.get("store_buffers", 8)),
+                    load_buffers=int(self._extra.get("load_buffers", 4)),
+                )
+            )
+        self.pipeline = WorkerPipeline(
+            client=self.client,
+            naming=self.naming,
+            transfers=transfers,
+            tp_size=self.shape.tp_size,
+            tp_rank=self.shape.rank % self.shape.tp_size,
+        )
+
+    def _plan(self) -> StepPlan | None:
+        if self.pipeline is None or not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        return meta.plan if isinstance(meta, KVGateConnectorMetadata) else None
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        plan = self._plan()
+        if plan is None or self.pipeline is None:
+            return
+        for job in plan.loads:
+            self._loading.add(job.req_id)
+            self.pipeline.load(job)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads complete between steps and are reported by get_finished
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # whole blocks are gathered across layers once the forward is done (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        plan = self._plan()
+        if plan is None or self.pipeline is None:
+            return
+        for job in plan.stores:
+            self._ever_stored.add(job.req_id)
+            self.pipeline.store(job)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if self.pipeline is not None:
+            self.pipeline.sync_copies()  # preempted blocks are reused next step: their copies must be done
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.pipeline is None:
+            return None, None
+        self._pending_free |= finished_req_ids & self._ever_stored
+        sending = {r for r in self._pending_free if self.pipeline.copies_done(r)}
+        for r in sending:
+            self._pending_free.discard(r)
+            self._ever_stored.discard(r)
+            self.pipeline.forget(r)
+        recving = set()
+        for req_id, failed in self.pipeline.finished_loads().items():
+            recving.add(req_id)
+            self._loading.discard(req_id)
+            self._load_errors |= failed
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def has_pending_block_frees(self) -> bool:
+        return bool(self._pending_free)
+
+    def shutdown(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.wait_uploads(timeout_s=30.0)
+        self.client.close()

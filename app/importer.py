@@ -1,0 +1,209 @@
+"""``kvgate import DIR``: adopt a directory written by vLLM's ``fs`` tier (or by kvgate's filesystem backend).
+
+Every file under DIR whose relative path is a kvgate key is taken: ``<ns>/config.json`` through
+``BlockService.put_config`` (its fields must hash to the namespace's name; the bytes are kept verbatim), and block
+files through the service as well. When DIR *is* the gateway's filesystem data root the files are already in place,
+so each is only hashed and given its index row (adopted in place); otherwise each is copied into the configured
+store (filesystem or S3) through ``BlockService.put``, which writes the data before the row as every PUT does.
+Anything else (vLLM's ``*.tmp`` files of interrupted writes, probe files, stray names) is skipped and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+import anyio.to_thread
+import typer
+
+from app.config import FsBackend, Settings
+from app.errors import KVGateError
+from app.index.migrate import upgrade_head
+from app.index.repository import Index, make_engine
+from app.service import BlockService, MetaCache
+from app.storage import build_store
+from connector.protocol import InvalidKey, parse_block_key, parse_config_key
+
+log = logging.getLogger("kvgate.importer")
+
+_READ_CHUNK = 4 * 1024 * 1024
+_MAX_EXAMPLES = 10
+
+
+@dataclass(slots=True)
+class ImportReport:
+    source: str
+    in_place: bool
+    namespaces: int = 0
+    blocks: int = 0
+    bytes: int = 0
+    already_indexed: int = 0
+    skipped: int = 0
+    failed: int = 0
+    examples: dict[str, list[str]] = field(default_factory=lambda: {"skipped": [], "failed": []})
+
+    def note(self, kind: str, what: str) -> None:
+        if len(self.examples[kind]) < _MAX_EXAMPLES:
+            self.examples[kind].append(what)
+
+
+def _walk(root: Path) -> list[tuple[str, int]]:
+    """Relative paths and sizes of the regular files under ``root`` (sorted, so runs are repeatable)."""
+    found: list[tuple[str, int]] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        rel_dir = os.path.relpath(dirpath, root)
+        for name in sorted(filenames):
+            full = os.path.join(dirpath, name)
+            with contextlib.suppress(FileNotFoundError):
+                st = os.lstat(full)
+                if os.path.isfile(full) and not os.path.islink(full):
+                    rel = name if rel_dir == "." else f"{rel_dir}/{name}"
+                    found.append((rel.replace(os.sep, "/"), st.st_size))
+    return found
+
+
+async def _file_chunks(path: Path) -> AsyncIterator[bytes]:
+    f = await anyio.to_thread.run_sync(path.open, "rb")
+    try:
+        while chunk := await anyio.to_thread.run_sync(f.read, _READ_CHUNK):
+            yield chunk
+    finally:
+        await anyio.to_thread.run_sync(f.close)
+
+
+class Importer:
+    def __init__(self, *, service: BlockService, source: Path, in_place: bool, concurrency: int) -> None:
+        self.service = service
+        self.source = source
+        self.in_place = in_place
+        self.concurrency = concurrency
+        self.report = ImportReport(source=str(source), in_place=in_place)
+
+    async def run(self) -> ImportReport:
+        files = await anyio.to_thread.run_sync(_walk, self.source)
+        blocks: list[tuple[str, int]] = []
+        for rel, size in files:
+            try:
+                parse_config_key(rel)
+            except InvalidKey:
+                pass
+            else:
+                await self._config(rel)
+                continue
+            try:
+                parse_block_key(rel)
+            except InvalidKey:
+                self.report.skipped += 1
+                self.report.note("skipped", rel)
+                continue
+            blocks.append((rel, size))
+        work: asyncio.Queue[tuple[str, int]] = asyncio.Queue()
+        for item in blocks:
+            work.put_nowait(item)
+        workers = [asyncio.create_task(self._worker(work)) for _ in range(max(1, self.concurrency))]
+        try:
+            await asyncio.gather(*workers)
+        finally:
+            for w in workers:
+                w.cancel()
+        return self.report
+
+    async def _config(self, rel: str) -> None:
+        namespace = parse_config_key(rel)
+        try:
+            raw = await anyio.to_thread.run_sync((self.source / rel).read_bytes)
+            fields = json.loads(raw)
+            if not isinstance(fields, dict):
+                raise ValueError("config.json is not a JSON object")
+            await self.service.put_config(namespace, fields, raw)
+        except (OSError, ValueError, KVGateError) as exc:
+            self.report.failed += 1
+            self.report.note("failed", f"{rel}: {exc}")
+            return
+        self.report.namespaces += 1
+
+    async def _worker(self, work: asyncio.Queue[tuple[str, int]]) -> None:
+        while True:
+            try:
+                rel, size = work.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            try:
+                await self._block(rel, size)
+            except (OSError, KVGateError) as exc:
+                self.report.failed += 1
+                self.report.note("failed", f"{rel}: {exc}")
+
+    async def _block(self, rel: str, size: int) -> None:
+        key = parse_block_key(rel)
+        existing = await self.service.index.get(key.path)
+        if existing is not None and existing.size == size:
+            self.report.already_indexed += 1
+            return
+        if self.in_place:
+            meta = await self.service.store.digest(key.path)
+            await self.service.index.upsert_block(
+                key=key.path,
+                namespace=key.namespace,
+                rank=key.rank,
+                group=key.group,
+                size=meta.size,
+                digest=meta.digest,
+            )
+            self.service.cache.drop(key.path)
+        else:
+            await self.service.put(key, _file_chunks(self.source / rel), size=size, digest=None, create_only=False)
+        self.report.blocks += 1
+        self.report.bytes += size
+
+
+async def import_dir(*, source: Path, settings: Settings, concurrency: int = 8) -> ImportReport:
+    """Adopt ``source`` into the gateway configured by ``settings`` (its store and index)."""
+    source = await anyio.to_thread.run_sync(source.resolve)
+    if not await anyio.to_thread.run_sync(source.is_dir):
+        raise FileNotFoundError(f"{source} is not a directory")
+    await anyio.to_thread.run_sync(lambda: settings.data_dir.mkdir(parents=True, exist_ok=True))
+    store = build_store(settings.backend, settings=settings)
+    await store.start()
+    await upgrade_head(settings.resolved_db_url)
+    index = Index(
+        make_engine(settings.resolved_db_url, sqlite_synchronous=settings.sqlite_synchronous),
+        flush_interval_s=settings.access_flush_interval_s,
+    )
+    await index.start()
+    try:
+        service = BlockService(store=store, index=index, cache=MetaCache(entries=0, ttl_s=None))
+        in_place = isinstance(settings.backend, FsBackend) and source == getattr(store, "root", None)
+        report = await Importer(service=service, source=source, in_place=in_place, concurrency=concurrency).run()
+    finally:
+        await index.close()
+        await store.close()
+    log.info("imported %s blocks=%d namespaces=%d failed=%d", source, report.blocks, report.namespaces, report.failed)
+    return report
+
+
+def import_command(
+    source: Annotated[Path, typer.Argument(help="a directory written by vLLM's fs tier (its root_dir)")],
+    data_dir: Annotated[Path | None, typer.Option(help="gateway data root [env KVGATE_DATA_DIR]")] = None,
+    db_url: Annotated[str | None, typer.Option(help="index URL [env KVGATE_DB_URL]")] = None,
+    concurrency: Annotated[int, typer.Option(min=1, help="blocks hashed or copied at once")] = 8,
+) -> None:
+    """Adopt a vLLM fs-tier directory: in place when it is the data root (--data-dir/blocks), else copied in."""
+    overrides: dict[str, Any] = {"data_dir": data_dir, "db_url": db_url}
+    settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
+    try:
+        report = asyncio.run(import_dir(source=source, settings=settings, concurrency=concurrency))
+    except (FileNotFoundError, KVGateError) as exc:
+        typer.echo(f"kvgate import: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    typer.echo(json.dumps(asdict(report), indent=2))
+    if report.failed:
+        raise typer.Exit(1)

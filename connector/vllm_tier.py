@@ -1,0 +1,443 @@
+"""KVGateTier: kvgate as an out-of-tree secondary tier of vLLM 0.33's ``OffloadingConnector`` (TieringOffloadingSpec).
+
+vLLM keeps its GPU <-> CPU machinery; this tier moves whole CPU chunk rows between the primary tier's memoryview
+and a kvgate gateway, under the keys vLLM's own ``fs`` tier would use (``FileMapper`` with ``parallel_agnostic=True``,
+paths relative to the root) and with the row bytes verbatim, so the gateway's filesystem backend is byte-compatible
+with an ``fs`` tier directory. Configure it in ``kv_connector_extra_config.secondary_tiers``::
+
+    {"type": "KVGateTier", "module_path": "connector.vllm_tier", "url": "http://127.0.0.1:8750"}
+
+Every method runs on the scheduler's thread and returns at once: lookups are answered from verdicts of ONE batched
+``POST /v1/lookup`` per scheduler step (a new key answers RETRY and joins the step's batch, sent from
+``on_schedule_end``); transfers run on the background loop of ``connector.client.BlockClient`` with a budget of
+bytes in flight. When the gateway is down or too slow the tier opens a circuit for ``down_cooldown_s``: lookups
+answer MISS and jobs fail at once. A load is verified against the sha256 ETag and copied into its slot only when
+whole and intact; a failed store is reported failed (vLLM drops it); a failed load reports the keys that did load.
+
+This is the only module of kvgate, besides connector/vllm.py, that imports vllm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, OffloadingEvent, ReqContext
+from vllm.v1.kv_offload.file_mapper import FileMapper
+from vllm.v1.kv_offload.tiering.base import (
+    JobResult,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+    SecondaryTierManager,
+    TransferJob,
+)
+
+from connector.client import BlockClient, ClientConfig, ConnectorError, GatewayUnavailable
+from connector.protocol import parse_block_key, parse_config_key
+
+log = logging.getLogger("kvgate.vllm_tier")
+
+_ROOT = "/kvgate-root"
+"""FileMapper wants a root directory; the gateway's keys are the paths relative to it."""
+
+
+class ByteBudget:
+    """At most ``limit`` bytes held at once on the loop; a request larger than the limit runs alone."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._cond = asyncio.Condition()
+
+    @contextlib.asynccontextmanager
+    async def hold(self, nbytes: int, *, timeout_s: float) -> AsyncIterator[None]:
+        async with self._cond:
+            await asyncio.wait_for(
+                self._cond.wait_for(lambda: self.used == 0 or self.used + nbytes <= self.limit), timeout_s
+            )
+            self.used += nbytes
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self.used -= nbytes
+                self._cond.notify_all()
+
+
+@dataclass(slots=True)
+class _Probe:
+    """One key's lookup: None until the gateway answers; alive while a request refers to it."""
+
+    result: bool | None = None
+    reqs: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True, slots=True)
+class _Done:
+    job_id: int
+    is_load: bool
+    keys: list[bytes]
+    ok: list[bool]
+    seconds: float
+    nbytes: int
+
+
+class KVGateTier(SecondaryTierManager):  # type: ignore[misc]
+    """A ``SecondaryTierManager`` whose medium is a kvgate gateway reached over HTTP."""
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(
+        self,
+        *,
+        offloading_spec: Any,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        url: str,
+        backpressure_detector: Any = None,
+        max_inflight_bytes: int = 256 * 1024 * 1024,
+        max_connections: int = 32,
+        connect_timeout_s: float = 0.5,
+        lookup_timeout_s: float = 0.5,
+        transfer_timeout_s: float = 30.0,
+        retries: int = 1,
+        down_cooldown_s: float = 2.0,
+        lookup_batch_keys: int = 4096,
+        enable_kv_events: bool = False,
+        locality: str | None = None,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        self.locality = Locality(locality) if locality is not None else None
+        self._rows = primary_kv_view.cast("B")
+        self._row_bytes: int = int(self.block_size_bytes)
+        self._transfer_timeout_s = transfer_timeout_s
+        self._lookup_timeout_s = lookup_timeout_s
+        self._down_cooldown_s = down_cooldown_s
+        self._lookup_batch_keys = lookup_batch_keys
+
+        self.file_mapper = FileMapper.from_offloading_spec(
+            root_dir=_ROOT,
+            offloading_spec=offloading_spec,
+            blocks_per_file=offloading_spec.blocks_per_chunk,
+            parallel_agnostic=True,
+        )
+        self.namespace = parse_config_key(self._relative(self.file_mapper.get_config_file_path()))
+        self._fields: dict[str, Any] = self.file_mapper.get_run_config()
+
+        self.events: list[Any] | None = None
+        if enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events:
+            self.events = []
+
+        # Scheduler-thread state (the tiering manager's lock serialises calls).
+        self._probes: dict[bytes, _Probe] = {}
+        self._req_keys: dict[str, set[bytes]] = {}
+        self._unsent: list[tuple[bytes, _Probe]] = []
+        self._lookups_in_flight = 0
+        self._store_keys: dict[int, list[bytes]] = {}
+        # Loop -> scheduler.
+        self._answers: queue.SimpleQueue[list[tuple[_Probe, bool]]] = queue.SimpleQueue()
+        self._finished: queue.SimpleQueue[_Done] = queue.SimpleQueue()
+        # Jobs submitted and not yet put on ``_finished`` (drain_jobs waits for zero).
+        self._outstanding = 0
+        self._idle = threading.Condition()
+        self._down_until = 0.0
+
+        self._client = BlockClient(
+            ClientConfig(
+                base_url=url.rstrip("/"),
+                max_connections=max_connections,
+                connect_timeout_s=connect_timeout_s,
+                request_timeout_s=transfer_timeout_s,
+                lookup_timeout_s=lookup_timeout_s,
+                max_inflight_bytes=max_inflight_bytes,
+                retries=retries,
+                down_cooldown_s=down_cooldown_s,
+            )
+        )
+        self._budget: ByteBudget = self._client.run(self._make_budget(max_inflight_bytes), timeout_s=10.0)
+        self._config_lock: asyncio.Lock = self._client.run(self._make_lock(), timeout_s=10.0)
+        self._config_stored = False
+        self._client.submit(self._ensure_config())  # the namespace's config.json, once, off this thread
+
+    # -- naming --------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _relative(path: str) -> str:
+        return path.removeprefix(_ROOT + "/")
+
+    def key_path(self, key: bytes) -> str:
+        """The gateway key of an offload key: FileMapper's file name relative to the root."""
+        path = self._relative(self.file_mapper.get_file_name(key))
+        parse_block_key(path)  # raises InvalidKey on anything the gateway would refuse
+        return path
+
+    def _is_down(self) -> bool:
+        return time.monotonic() < self._down_until or self._client.gateway_down
+
+    def _mark_down(self, why: str) -> None:
+        if not self._is_down():
+            log.warning("kvgate tier: gateway unavailable (%s); circuit open for %.1fs", why, self._down_cooldown_s)
+        self._down_until = time.monotonic() + self._down_cooldown_s
+
+    # -- lookups (scheduler thread) ------------------------------------------------------------------------------
+
+    def on_new_request(self, req_context: ReqContext) -> Any:
+        return RequestOffloadingContext()
+
+    def lookup(self, key: bytes, req_context: ReqContext) -> Any:
+        self._apply_answers()
+        probe = self._probes.get(key)
+        if probe is None:
+            if self._is_down():
+                return LookupResult.MISS
+            probe = _Probe()
+            self._probes[key] = probe
+            self._unsent.append((key, probe))
+        probe.reqs.add(req_context.req_id)
+        self._req_keys.setdefault(req_context.req_id, set()).add(key)
+        if probe.result is None:
+            return LookupResult.RETRY
+        return LookupResult.HIT if probe.result else LookupResult.MISS
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        """Send this step's new keys as one batched lookup."""
+        self._apply_answers()
+        batch, self._unsent = self._unsent, []
+        if not batch:
+            return
+        if self._is_down():
+            for _key, probe in batch:
+                probe.result = False
+            return
+        self._lookups_in_flight += 1
+        try:
+            self._client.submit(self._lookup(batch))
+        except RuntimeError:  # the loop is closed: shutting down
+            self._lookups_in_flight -= 1
+            for _key, probe in batch:
+                probe.result = False
+
+    def _apply_answers(self) -> None:
+        while True:
+            try:
+                answers = self._answers.get_nowait()
+            except queue.Empty:
+                return
+            self._lookups_in_flight -= 1
+            for probe, found in answers:
+                probe.result = found
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        req_id = req_context.req_id
+        for key in self._req_keys.pop(req_id, ()):
+            probe = self._probes.get(key)
+            if probe is None:
+                continue
+            probe.reqs.discard(req_id)
+            if not probe.reqs:
+                del self._probes[key]
+
+    def has_pending_work(self) -> bool:
+        return bool(self._unsent) or self._lookups_in_flight > 0
+
+    # -- jobs (scheduler thread) ---------------------------------------------------------------------------------
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        keys = [bytes(k) for k in job_metadata.keys]
+        chunk_ids = [int(c) for c in job_metadata.chunk_ids]
+        if self.events is not None:
+            self._store_keys[job_metadata.job_id] = keys
+        # Keys this tier already knows are on the gateway are not sent again.
+        present = [(p := self._probes.get(k)) is not None and p.result is True for k in keys]
+        coro = self._store(job_metadata.job_id, keys, chunk_ids, present)
+        self._start(coro, job_metadata.job_id, keys, is_load=False)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        keys = [bytes(k) for k in job_metadata.keys]
+        chunk_ids = [int(c) for c in job_metadata.chunk_ids]
+        self._start(self._load(job_metadata.job_id, keys, chunk_ids), job_metadata.job_id, keys, is_load=True)
+
+    def _start(self, coro: Any, job_id: int, keys: list[bytes], *, is_load: bool) -> None:
+        with self._idle:
+            self._outstanding += 1
+        if self._is_down():
+            coro.close()
+            self._report(_Done(job_id, is_load, keys, [False] * len(keys), 0.0, 0))
+            return
+        try:
+            self._client.submit(coro)
+        except RuntimeError:
+            coro.close()
+            self._report(_Done(job_id, is_load, keys, [False] * len(keys), 0.0, 0))
+
+    def _report(self, done: _Done) -> None:
+        self._finished.put(done)
+        with self._idle:
+            self._outstanding -= 1
+            self._idle.notify_all()
+
+    def get_finished_jobs(self) -> Iterable[Any]:
+        results = []
+        while True:
+            try:
+                done = self._finished.get_nowait()
+            except queue.Empty:
+                break
+            results.append(self._result(done))
+        return results
+
+    def _result(self, done: _Done) -> Any:
+        success = all(done.ok)
+        store_keys = self._store_keys.pop(done.job_id, None)
+        for key, ok in zip(done.keys, done.ok, strict=True):
+            probe = self._probes.get(key)
+            if probe is None or probe.result is None:
+                continue
+            if done.is_load and not ok:
+                probe.result = False  # lost or mangled on the gateway: stop promoting it (vLLM would loop)
+            elif not done.is_load and ok:
+                probe.result = True
+        if self.events is not None and store_keys and success:
+            self.events.append(
+                OffloadingEvent(keys=store_keys, medium=self.medium, removed=False, locality=self.locality)
+            )
+        successful = None
+        if done.is_load and not success:
+            loaded = tuple(k for k, ok in zip(done.keys, done.ok, strict=True) if ok)
+            successful = loaded or None
+        return JobResult(
+            job_id=done.job_id,
+            success=success,
+            successful_keys=successful,
+            transfer_time=done.seconds,
+            transfer_bytes=done.nbytes or None,
+        )
+
+    def take_events(self) -> Iterable[Any]:
+        if self.events:
+            events, self.events = self.events, []
+            yield from events
+
+    def drain_jobs(self) -> None:
+        """Wait until every submitted job has reported (each transfer is bounded by its timeouts)."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._outstanding == 0)
+
+    def shutdown(self) -> None:
+        self.drain_jobs()
+        self._client.close()
+        self._rows.release()
+
+    # -- the background loop -------------------------------------------------------------------------------------
+
+    @staticmethod
+    async def _make_budget(limit: int) -> ByteBudget:
+        return ByteBudget(limit)
+
+    @staticmethod
+    async def _make_lock() -> asyncio.Lock:
+        return asyncio.Lock()
+
+    async def _ensure_config(self) -> bool:
+        """PUT the namespace's fields once; the gateway writes ``<ns>/config.json`` as vLLM's fs tier does."""
+        if self._config_stored:
+            return True
+        async with self._config_lock:
+            if self._config_stored:
+                return True
+            try:
+                await asyncio.wait_for(self._client.put_config(self.namespace, self._fields), self._transfer_timeout_s)
+            except (GatewayUnavailable, TimeoutError) as exc:
+                self._mark_down(repr(exc))
+                return False
+            except ConnectorError as exc:
+                log.error("kvgate tier: namespace %s config refused: %s", self.namespace, exc)
+                return False
+            self._config_stored = True
+            return True
+
+    async def _lookup(self, batch: list[tuple[bytes, _Probe]]) -> None:
+        answers: list[tuple[_Probe, bool]] = []
+        try:
+            for start in range(0, len(batch), self._lookup_batch_keys):
+                part = batch[start : start + self._lookup_batch_keys]
+                if self._is_down():
+                    answers.extend((probe, False) for _key, probe in part)
+                    continue
+                try:
+                    paths = [self.key_path(k) for k, _p in part]
+                    _prefix, slots = await asyncio.wait_for(self._client.lookup(paths), self._lookup_timeout_s)
+                    answers.extend((probe, slot.present) for (_k, probe), slot in zip(part, slots, strict=True))
+                except (GatewayUnavailable, TimeoutError) as exc:
+                    self._mark_down(repr(exc))
+                    answers.extend((probe, False) for _key, probe in part)
+                except Exception as exc:  # a refused batch is a miss for its keys, never a stuck RETRY
+                    log.error("kvgate tier: lookup of %d keys failed: %s", len(part), exc)
+                    answers.extend((probe, False) for _key, probe in part)
+        finally:
+            self._answers.put(answers)
+
+    async def _store(self, job_id: int, keys: list[bytes], chunk_ids: list[int], present: list[bool]) -> None:
+        started = time.monotonic()
+        ok = [False] * len(keys)
+        sent_bytes = 0
+        try:
+            if await self._ensure_config():
+                rows = list(zip(keys, chunk_ids, present, strict=True))
+                sent = await asyncio.gather(*(self._store_row(k, c) for k, c, known in rows if not known))
+                sent_bytes = sum(sent) * self._row_bytes
+                results = iter(sent)
+                ok = [True if known else next(results) for known in present]
+        finally:
+            self._report(_Done(job_id, False, keys, ok, time.monotonic() - started, sent_bytes))
+
+    async def _store_row(self, key: bytes, chunk_id: int) -> bool:
+        if self._is_down():
+            return False
+        offset = chunk_id * self._row_bytes
+        try:
+            async with self._budget.hold(self._row_bytes, timeout_s=self._transfer_timeout_s):
+                body = self._rows[offset : offset + self._row_bytes]
+                return await asyncio.wait_for(self._client.put(self.key_path(key), body), self._transfer_timeout_s)
+        except (GatewayUnavailable, TimeoutError) as exc:
+            self._mark_down(repr(exc))
+        except Exception as exc:
+            log.warning("kvgate tier: store of chunk %d failed: %r", chunk_id, exc)
+        return False
+
+    async def _load(self, job_id: int, keys: list[bytes], chunk_ids: list[int]) -> None:
+        started = time.monotonic()
+        ok = [False] * len(keys)
+        try:
+            ok = list(await asyncio.gather(*(self._load_row(k, c) for k, c in zip(keys, chunk_ids, strict=True))))
+        finally:
+            self._report(_Done(job_id, True, keys, ok, time.monotonic() - started, sum(ok) * self._row_bytes))
+
+    async def _load_row(self, key: bytes, chunk_id: int) -> bool:
+        if self._is_down():
+            return False
+        offset = chunk_id * self._row_bytes
+        try:
+            async with self._budget.hold(self._row_bytes, timeout_s=self._transfer_timeout_s):
+                path = self.key_path(key)
+                # Verified against the sha256 ETag; None if missing, short or corrupt.
+                data = await asyncio.wait_for(self._client.get(path), self._transfer_timeout_s)
+                if data is None:
+                    return False
+                if len(data) != self._row_bytes:
+                    log.error("kvgate tier: %s holds %d bytes, a row is %d", path, len(data), self._row_bytes)
+                    return False
+                self._rows[offset : offset + self._row_bytes] = data
+                return True
+        except (GatewayUnavailable, TimeoutError) as exc:
+            self._mark_down(repr(exc))
+        except Exception as exc:
+            log.warning("kvgate tier: load into chunk %d failed: %r", chunk_id, exc)
+        return False

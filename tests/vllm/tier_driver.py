@@ -1,0 +1,390 @@
+"""The vLLM side of tests/vllm/test_tier*.py: run by the oracle venv's python (real vLLM 0.33.0), never by pytest.
+
+    python -m tests.vllm.tier_driver SCENARIO --out DIR [options]
+    python -m tests.vllm.tier_driver serve        (JSON requests on stdin; what the tests use)
+
+Each scenario builds tiers through vLLM's own TieringOffloadingSpec / SecondaryTierFactory from spec dicts, moves
+rows, writes ``DIR/report.json`` (and ``DIR/rows.bin``: the rows it stored, concatenated) for the test to check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import mmap
+import os
+import random
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
+from vllm.v1.kv_offload.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.kv_offload.tiering.base import TransferJob
+from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+ROW_BYTES = 64 * 1024
+NUM_CHUNKS = 16
+END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+
+
+def make_spec(
+    tiers: list[dict[str, Any]],
+    *,
+    num_chunks: int = NUM_CHUNKS,
+    row_bytes: int = ROW_BYTES,
+    tp_size: int = 1,
+    engine_id: str = "kvgate-test",
+) -> TieringOffloadingSpec:
+    config = OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("model.layers.0.attn",), group_id=0),),
+        worker_kv_bytes_per_block=row_bytes,
+        enable_kv_cache_events=True,
+        extra_config={"cpu_bytes_to_use": num_chunks * row_bytes, "secondary_tiers": tiers},
+        engine_id=f"{engine_id}-{os.getpid()}-{random.randrange(1 << 30)}",
+        model=OffloadingModelConfig(name="test-org/tiny-model", dtype="float16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=1,
+            tp_size=tp_size,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=True,
+        ),
+    )
+    return TieringOffloadingSpec(config)
+
+
+def kvgate_tier_cfg(url: str, **extra: Any) -> dict[str, Any]:
+    return {"type": "KVGateTier", "module_path": "connector.vllm_tier", "url": url, "enable_kv_events": True, **extra}
+
+
+def standalone_tier(spec: TieringOffloadingSpec, tier_cfg: dict[str, Any], view: memoryview) -> Any:
+    return SecondaryTierFactory.create_secondary_tier(dict(tier_cfg), view, spec)
+
+
+def primary_view(num_chunks: int = NUM_CHUNKS, row_bytes: int = ROW_BYTES) -> memoryview:
+    """Page-aligned like vLLM's shared offload region (its fs tier reads with O_DIRECT where it can)."""
+    return memoryview(mmap.mmap(-1, num_chunks * row_bytes)).cast("B", (num_chunks, row_bytes))
+
+
+def keys_for(n: int, seed: str) -> list[bytes]:
+    return [make_offload_key(hashlib.sha256(f"{seed}-{i}".encode()).digest(), 0) for i in range(n)]
+
+
+def fill(view: memoryview, chunk_ids: Iterable[int], seed: int) -> list[bytes]:
+    rows = view.cast("B")
+    size = view.strides[0]
+    out = []
+    rng = random.Random(seed)
+    for cid in chunk_ids:
+        data = rng.randbytes(size)
+        rows[cid * size : (cid + 1) * size] = data
+        out.append(data)
+    return out
+
+
+def row(view: memoryview, cid: int) -> bytes:
+    size = view.strides[0]
+    return bytes(view.cast("B")[cid * size : (cid + 1) * size])
+
+
+class Steps:
+    """Drives a tier as the scheduler would, timing every call made on the scheduler's thread."""
+
+    def __init__(self, tier: Any) -> None:
+        self.tier = tier
+        self.worst_s = 0.0
+        self.worst_call = ""
+        self.next_job = 1000
+
+    def call(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
+        t0 = time.monotonic()
+        out = fn(*args)
+        if name in ("get_finished_jobs", "take_events"):
+            out = list(out)
+        dt = time.monotonic() - t0
+        if dt > self.worst_s:
+            self.worst_s, self.worst_call = dt, name
+        return out
+
+    def job(self, keys: list[bytes], chunk_ids: list[int], *, load: bool, req: str = "r") -> int:
+        self.next_job += 1
+        job = TransferJob(
+            job_id=self.next_job,
+            keys=keys,
+            chunk_ids=np.array(chunk_ids, dtype=np.int64),
+            is_promotion=load,
+            req_context=ReqContext(req_id=req),
+        )
+        self.call(
+            "submit_load" if load else "submit_store", self.tier.submit_load if load else self.tier.submit_store, job
+        )
+        return self.next_job
+
+    def wait(self, job_ids: set[int], timeout_s: float = 20.0) -> dict[int, Any]:
+        done: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout_s
+        while set(done) != job_ids and time.monotonic() < deadline:
+            for result in self.call("get_finished_jobs", self.tier.get_finished_jobs):
+                done[result.job_id] = result
+            self.call("on_schedule_end", self.tier.on_schedule_end, END)
+            time.sleep(0.005)
+        return done
+
+    def lookups(self, keys: list[bytes], req: str, timeout_s: float = 10.0) -> tuple[list[str], float, int]:
+        """Look ``keys`` up step after step until none answers RETRY: (verdicts, seconds, steps)."""
+        ctx = ReqContext(req_id=req)
+        self.call("on_new_request", self.tier.on_new_request, ctx)
+        t0 = time.monotonic()
+        steps = 0
+        while True:
+            steps += 1
+            verdicts = [self.call("lookup", self.tier.lookup, k, ctx) for k in keys]
+            self.call("on_schedule_end", self.tier.on_schedule_end, END)
+            if LookupResult.RETRY not in verdicts or time.monotonic() - t0 > timeout_s:
+                return [v.name for v in verdicts], time.monotonic() - t0, steps
+            time.sleep(0.005)
+
+    def finish(self, req: str) -> None:
+        self.call("on_request_finished", self.tier.on_request_finished, ReqContext(req_id=req))
+
+
+def summary(results: dict[int, Any]) -> dict[str, Any]:
+    return {
+        str(j): {
+            "success": r.success,
+            "successful_keys": None if r.successful_keys is None else len(r.successful_keys),
+            "bytes": r.transfer_bytes,
+        }
+        for j, r in sorted(results.items())
+    }
+
+
+# -- scenarios -----------------------------------------------------------------------------------------------------
+
+
+def roundtrip(args: argparse.Namespace) -> dict[str, Any]:
+    """Factory-built tier (spec.get_manager()), real primary memoryview: store rows, look up, load, corrupt."""
+    spec = make_spec([kvgate_tier_cfg(args.url)])
+    manager = spec.get_manager()
+    tier = manager.secondary_tiers[0]
+    view = tier._primary_kv_view
+    steps = Steps(tier)
+    keys = keys_for(4, "roundtrip")
+    rows = fill(view, range(4), seed=1)
+    report: dict[str, Any] = {
+        "tier_class": f"{type(tier).__module__}.{type(tier).__name__}",
+        "view": {"shape": list(view.shape), "strides": list(view.strides), "format": view.format},
+    }
+    report["paths"] = [tier.key_path(k) for k in keys]
+    report["run_config"] = tier.file_mapper.get_run_config()
+    report["namespace"] = tier.namespace
+    report["before"] = steps.lookups(keys, "req-a")
+    stored = steps.wait({steps.job(keys, [0, 1, 2, 3], load=False)})
+    report["store"] = summary(stored)
+    report["events"] = [len(e.keys) for e in steps.call("take_events", tier.take_events)]
+    steps.finish("req-a")
+    report["after"] = steps.lookups(keys, "req-b")
+    report["restore"] = summary(steps.wait({steps.job(keys, [0, 1, 2, 3], load=False, req="req-b")}))  # known: not sent
+    for cid in range(4, 8):  # slots to load into: fill with a sentinel first
+        view.cast("B")[cid * ROW_BYTES : (cid + 1) * ROW_BYTES] = b"\xee" * ROW_BYTES
+    loaded = steps.wait({steps.job(keys, [4, 5, 6, 7], load=True, req="req-b")})
+    report["load"] = summary(loaded)
+    report["load_equal"] = [row(view, 4 + i) == rows[i] for i in range(4)]
+    # Corrupt one stored file (same size, other bytes) and truncate another, behind the gateway's back.
+    root = Path(args.data_root)
+    (root / report["paths"][1]).write_bytes(b"\x00" * ROW_BYTES)
+    with (root / report["paths"][2]).open("r+b") as f:
+        f.truncate(ROW_BYTES // 2)
+    for cid in range(8, 12):
+        view.cast("B")[cid * ROW_BYTES : (cid + 1) * ROW_BYTES] = b"\xee" * ROW_BYTES
+    bad = steps.wait({steps.job(keys, [8, 9, 10, 11], load=True, req="req-b")})
+    report["bad_load"] = summary(bad)
+    report["bad_slots"] = [row(view, 8 + i) == rows[i] for i in (0,)] + [
+        row(view, 8 + i) == b"\xee" * ROW_BYTES for i in (1, 2)
+    ]
+    report["after_bad"] = steps.lookups(keys, "req-b")
+    steps.finish("req-b")
+    report["worst_call_s"] = steps.worst_s
+    Path(args.out, "rows.bin").write_bytes(b"".join(rows))
+    manager.shutdown()
+    return report
+
+
+def fs_write(args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM's own fs tier writes rows into ``--root`` (the import test serves them from kvgate)."""
+    spec = make_spec([{"type": "fs", "root_dir": args.root, "n_read_threads": 2, "n_write_threads": 2}])
+    manager = spec.get_manager()
+    tier = manager.secondary_tiers[0]
+    view = tier._primary_kv_view
+    steps = Steps(tier)
+    keys = keys_for(6, "fs-write")
+    rows = fill(view, range(6), seed=2)
+    stored = steps.wait({steps.job(keys, list(range(6)), load=False)})
+    root = args.root.rstrip("/") + "/"
+    report = {
+        "store": summary(stored),
+        "paths": [tier.file_mapper.get_file_name(k).removeprefix(root) for k in keys],
+        "config_path": tier.file_mapper.get_config_file_path().removeprefix(root),
+        "run_config": tier.file_mapper.get_run_config(),
+    }
+    Path(args.out, "rows.bin").write_bytes(b"".join(rows))
+    manager.shutdown()
+    return report
+
+
+def kvgate_then_fs(args: argparse.Namespace) -> dict[str, Any]:
+    """Store through KVGateTier, then read back with vLLM's fs tier pointed at the gateway's data root."""
+    spec = make_spec([])
+    view = primary_view()
+    tier = standalone_tier(spec, kvgate_tier_cfg(args.url), view)
+    steps = Steps(tier)
+    keys = keys_for(5, "kvgate-then-fs")
+    rows = fill(view, range(5), seed=3)
+    report: dict[str, Any] = {"store": summary(steps.wait({steps.job(keys, list(range(5)), load=False)}))}
+    tier.shutdown()
+    config_file = Path(args.root, tier.namespace, "config.json")
+    report["config_before"] = config_file.read_bytes().decode()
+    fresh = Path(args.out, "fresh-fs-root")  # what vLLM's fs tier itself writes as config.json
+    fresh_tier = standalone_tier(spec, {"type": "fs", "root_dir": str(fresh)}, primary_view())
+    report["config_vllm"] = Path(fresh_tier.file_mapper.get_config_file_path()).read_bytes().decode()
+    fresh_tier.shutdown()
+
+    fs = standalone_tier(spec, {"type": "fs", "root_dir": args.root, "n_read_threads": 2, "n_write_threads": 2}, view)
+    fs_steps = Steps(fs)
+    report["fs_lookup"] = fs_steps.lookups(keys, "req-fs")
+    for cid in range(8, 13):
+        view.cast("B")[cid * ROW_BYTES : (cid + 1) * ROW_BYTES] = b"\xee" * ROW_BYTES
+    report["fs_load"] = summary(fs_steps.wait({fs_steps.job(keys, list(range(8, 13)), load=True, req="req-fs")}))
+    report["fs_equal"] = [row(view, 8 + i) == rows[i] for i in range(5)]
+    report["config_after"] = config_file.read_bytes().decode()
+    fs_steps.finish("req-fs")
+    fs.shutdown()
+    return report
+
+
+def outage(args: argparse.Namespace) -> dict[str, Any]:
+    """Gateway down (nothing listening), then slow (the real gateway SIGSTOPped), then back."""
+    spec = make_spec([])
+    fast = {
+        "connect_timeout_s": 0.3,
+        "lookup_timeout_s": 0.3,
+        "transfer_timeout_s": 1.0,
+        "retries": 1,
+        "down_cooldown_s": 1.0,
+    }
+    report: dict[str, Any] = {}
+
+    view = primary_view()
+    down = standalone_tier(spec, kvgate_tier_cfg(args.down_url, **fast), view)
+    steps = Steps(down)
+    keys = keys_for(8, "down")
+    fill(view, range(8), seed=4)
+    report["down_lookup"] = steps.lookups(keys[:4], "d1")
+    report["down_store"] = summary(steps.wait({steps.job(keys[:4], [0, 1, 2, 3], load=False)}))
+    report["down_load"] = summary(steps.wait({steps.job(keys[4:], [4, 5, 6, 7], load=True, req="d1")}))
+    report["down_lookup_again"] = steps.lookups(keys[4:], "d2")
+    t0 = time.monotonic()
+    down.shutdown()
+    report["down_shutdown_s"] = time.monotonic() - t0
+    report["down_worst_call"] = [steps.worst_s, steps.worst_call]
+
+    view = primary_view()
+    slow = standalone_tier(spec, kvgate_tier_cfg(args.url, **fast), view)
+    steps = Steps(slow)
+    fill(view, range(8), seed=5)
+    healthy = keys_for(8, "healthy")
+    report["healthy_store"] = summary(steps.wait({steps.job(healthy[:4], [0, 1, 2, 3], load=False)}))
+    os.kill(args.pid, signal.SIGSTOP)
+    try:
+        job = steps.job(healthy[4:], [4, 5, 6, 7], load=False)  # sent before the circuit opens: times out
+        report["slow_lookup"] = steps.lookups(healthy[4:], "s1")
+        report["slow_store"] = summary(steps.wait({job}, timeout_s=10.0))
+        report["slow_lookup_hit_keys"] = steps.lookups(healthy[:4], "s2")  # stored earlier: circuit says MISS
+        t0 = time.monotonic()
+        steps.call("drain_jobs", slow.drain_jobs)
+        report["slow_drain_s"] = time.monotonic() - t0
+        report["slow_worst_call"] = [steps.worst_s, steps.worst_call]
+    finally:
+        os.kill(args.pid, signal.SIGCONT)
+    steps.finish("s1")
+    steps.finish("s2")
+    time.sleep(1.2)  # the circuit's cooldown
+    report["recovered_lookup"] = steps.lookups(healthy[:4], "s3", timeout_s=10.0)
+    for cid in range(8, 12):
+        view.cast("B")[cid * ROW_BYTES : (cid + 1) * ROW_BYTES] = b"\xee" * ROW_BYTES
+    report["recovered_load"] = summary(steps.wait({steps.job(healthy[:4], [8, 9, 10, 11], load=True, req="s3")}))
+    report["recovered_equal"] = [row(view, 8 + i) == row(view, i) for i in range(4)]
+    slow.shutdown()
+    return report
+
+
+SCENARIOS = {"roundtrip": roundtrip, "fs-write": fs_write, "kvgate-then-fs": kvgate_then_fs, "outage": outage}
+
+
+REPLY = "KVGATE-DRIVER "
+"""Prefix of the serve loop's reply lines (vLLM may log to stdout too)."""
+
+
+def run(scenario: str, options: dict[str, Any]) -> dict[str, Any]:
+    args = argparse.Namespace(
+        **{"url": None, "down_url": None, "data_root": None, "root": None, "pid": None, **options}
+    )
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    report = SCENARIOS[scenario](args)
+    Path(args.out, "report.json").write_text(json.dumps(report, indent=1, default=str))
+    return report
+
+
+def serve() -> None:
+    """One JSON request per stdin line ({"scenario", "options"}); one reply line each: vLLM is imported once."""
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        request = json.loads(line)
+        try:
+            run(request["scenario"], request["options"])
+            reply: dict[str, Any] = {"ok": True}
+        except BaseException:
+            reply = {"ok": False, "error": traceback.format_exc()}
+        print(REPLY + json.dumps(reply), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario", choices=[*sorted(SCENARIOS), "serve"])
+    parser.add_argument("--out")
+    parser.add_argument("--url")
+    parser.add_argument("--down-url")
+    parser.add_argument("--data-root")
+    parser.add_argument("--root")
+    parser.add_argument("--pid", type=int)
+    args = parser.parse_args()
+    if args.scenario == "serve":
+        serve()
+        return
+    options = {k: v for k, v in vars(args).items() if k != "scenario"}
+    run(args.scenario, options)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,1 +1,0 @@
-from tests.services import moto_server  # noqa: F401

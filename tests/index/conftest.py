@@ -1,1 +1,0 @@
-from tests.services import pg_server, pg_url  # noqa: F401

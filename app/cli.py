@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+
+from app.admin_cli import register as register_admin_commands
+from app.bench import bench_command
+from app.importer import import_command
 
 cli = typer.Typer(help="kvgate: a KV-cache block gateway for LLM inference.", no_args_is_help=True)
 
@@ -19,36 +23,89 @@ def _root() -> None:
 def serve(
     host: Annotated[str | None, typer.Option(help="bind address [env KVGATE_HOST; default 127.0.0.1]")] = None,
     port: Annotated[int | None, typer.Option(help="port [env KVGATE_PORT; default 8750]")] = None,
-    data_dir: Annotated[
-        Path | None, typer.Option(help="data root [env KVGATE_DATA_DIR; ./kvgate-data]")
-    ] = None,
-    db_url: Annotated[
-        str | None, typer.Option(help="index URL [env KVGATE_DB_URL; SQLite in data dir]")
-    ] = None,
+    data_dir: Annotated[Path | None, typer.Option(help="data root [env KVGATE_DATA_DIR; ./kvgate-data]")] = None,
+    db_url: Annotated[str | None, typer.Option(help="index URL [env KVGATE_DB_URL; SQLite in data dir]")] = None,
     workers: Annotated[int, typer.Option(help="uvicorn worker processes (PostgreSQL index only)")] = 1,
 ) -> None:
     """Run the gateway (uvicorn with uvloop and httptools)."""
     import uvicorn
 
+    from app.auth import check_bind
     from app.config import Settings
+    from app.http_body import zero_copy_body
+    from app.limits import bounded_httptools
     from app.main import create_app
 
-    overrides = {k: v for k, v in {"host": host, "port": port, "data_dir": data_dir, "db_url": db_url}.items() if v}
-    settings = Settings(**overrides)
+    overrides: dict[str, Any] = {"host": host, "port": port, "data_dir": data_dir, "db_url": db_url}
+    settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
     if workers != 1:
         raise typer.BadParameter(
             "run several gateways as separate processes behind a load balancer", param_hint="workers"
         )
+    try:
+        check_bind(settings)
+    except ValueError as exc:
+        typer.echo(f"kvgate: {exc}", err=True)
+        raise typer.Exit(2) from exc
     uvicorn.run(
         create_app(settings),
         host=settings.host,
         port=settings.port,
         loop="uvloop",
-        http="httptools",
+        http=zero_copy_body(
+            bounded_httptools(max_header_bytes=settings.max_header_bytes, header_timeout_s=settings.header_timeout_s)
+        ),
+        h11_max_incomplete_event_size=settings.max_header_bytes,
+        limit_concurrency=settings.limit_concurrency,
         log_level=settings.log_level,
         access_log=False,
         timeout_keep_alive=30,
     )
+
+
+token_cli = typer.Typer(help="Bearer tokens: make one, hash one for KVGATE_TOKENS / KVGATE_TOKENS_FILE.")
+cli.add_typer(token_cli, name="token")
+
+
+@token_cli.command("hash")
+def token_hash(
+    token: Annotated[str | None, typer.Argument(help="the token; read from stdin when omitted")] = None,
+) -> None:
+    """Print the sha256 of a token, as the tokens settings store it."""
+    import sys
+
+    from app.auth import hash_token
+
+    text = token if token is not None else sys.stdin.readline().strip()
+    if not text:
+        raise typer.BadParameter("empty token")
+    typer.echo(hash_token(text))
+
+
+@token_cli.command("new")
+def token_new(
+    name: Annotated[str, typer.Option(help="who holds it (shown in logs)")],
+    role: Annotated[str, typer.Option(help="read | write | admin")] = "read",
+    namespace: Annotated[list[str] | None, typer.Option(help="limit to this namespace (repeatable)")] = None,
+) -> None:
+    """Make a random token: prints the token (give it to the client) and its entry for the tokens file."""
+    import json
+    import secrets
+
+    from app.auth import hash_token
+    from app.config import TokenSpec
+
+    token = secrets.token_urlsafe(32)
+    spec = TokenSpec(name=name, sha256=hash_token(token), role=role, namespaces=namespace or None)
+    typer.echo(f"token: {token}")
+    typer.echo(json.dumps(spec.model_dump(exclude_none=True)))
+
+
+cli.command(name="bench")(bench_command)
+cli.command(name="import")(import_command)
+
+
+register_admin_commands(cli)
 
 
 def main() -> None:

@@ -50,6 +50,15 @@ class MemoryBackend(BaseModel):
 Backend = Annotated[FsBackend | S3Backend | MemoryBackend, Field(discriminator="kind")]
 
 
+class TokenSpec(BaseModel):
+    """One bearer token, stored as the sha256 of its text (``kvgate token hash``), with a role and a scope."""
+
+    name: str = Field(min_length=1)
+    sha256: str = Field(pattern=r"^[0-9a-fA-F]{64}$", description="hex sha256 of the token's UTF-8 text")
+    role: Literal["read", "write", "admin"]
+    namespaces: list[str] | None = Field(default=None, description="namespaces it may touch; None: all")
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVGATE_", env_nested_delimiter="__", extra="ignore")
 
@@ -68,7 +77,31 @@ class Settings(BaseSettings):
     sqlite_synchronous: Literal["OFF", "NORMAL", "FULL"] = "FULL"
     max_lookup_keys: int = Field(default=4096, gt=0, description="most keys in one POST /v1/lookup")
     access_flush_interval_s: float = Field(default=1.0, gt=0)
+
+    max_bytes: int | None = Field(default=None, gt=0, description="capacity bound on stored block bytes; None: none")
+    high_watermark: float = Field(default=0.95, gt=0, le=1, description="evict when usage passes this share")
+    low_watermark: float = Field(default=0.85, gt=0, le=1, description="evict down to this share")
+    namespace_quota_bytes: int | None = Field(default=None, gt=0, description="bound per namespace; None: none")
+    eviction_interval_s: float = Field(default=5.0, gt=0, description="background eviction check period")
+    eviction_batch: int = Field(default=256, gt=0, description="LRU candidates fetched per eviction round")
+    usage_resync_interval_s: float = Field(default=60.0, gt=0, description="re-read usage from the index")
+    reconcile_on_start: bool = Field(default=True, description="reconcile index and store at start-up")
+    reconcile_concurrency: int = Field(default=8, gt=0, description="digests computed at once by reconcile")
+    metrics_enabled: bool = Field(default=True, description="serve /metrics and count requests")
     log_level: str = "info"
+
+    tokens: list[TokenSpec] = Field(default_factory=list, description="bearer tokens (JSON); none: auth off")
+    tokens_file: Path | None = Field(default=None, description="JSON or TOML list of tokens, added to `tokens`")
+    metrics_public: bool = Field(default=False, description="serve /metrics without a token")
+    max_uploads_in_flight: int = Field(default=256, gt=0, description="PUTs in flight; past it 429 at once")
+    max_json_body_bytes: int = Field(default=8 * MiB, gt=0, description="largest non-block request body (413)")
+    body_min_rate_bytes_s: float = Field(default=64 * 1024, gt=0, description="slowest accepted body upload")
+    body_grace_s: float = Field(default=10.0, ge=0, description="seconds before the minimum rate applies")
+    body_idle_timeout_s: float = Field(default=30.0, gt=0, description="longest pause inside a body (408)")
+    max_header_bytes: int = Field(default=64 * 1024, gt=0, description="request line + headers (431 above)")
+    header_timeout_s: float = Field(default=30.0, gt=0, description="time to send a request's headers")
+    limit_concurrency: int | None = Field(default=4096, gt=0, description="uvicorn: connections + tasks (503)")
+    sqlite_busy_timeout_s: float = Field(default=30.0, ge=0, description="wait on a locked SQLite index")
 
     @property
     def resolved_db_url(self) -> str:
@@ -77,6 +110,12 @@ class Settings(BaseSettings):
     @property
     def is_sqlite(self) -> bool:
         return self.resolved_db_url.startswith("sqlite")
+
+    @model_validator(mode="after")
+    def _watermarks_ordered(self) -> Settings:
+        if self.low_watermark > self.high_watermark:
+            raise ValueError("low_watermark must not exceed high_watermark")
+        return self
 
     @model_validator(mode="after")
     def _shared_index_no_meta_cache(self) -> Settings:

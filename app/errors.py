@@ -69,6 +69,14 @@ class TooManyRequests(KVGateError):
     pass
 
 
+class RequestTimeout(KVGateError):
+    """The request body arrived too slowly or stalled (nothing was published)."""
+
+
+class HeadersTooLarge(KVGateError):
+    """The request line and headers are over the limit (431)."""
+
+
 class Unauthorized(KVGateError):
     pass
 

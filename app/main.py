@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
-from app import __version__
-from app.api import blocks, errors, health, lookup, namespaces
+from app import __version__, auth, limits, metrics
+from app.api import admin, blocks, errors, health, lookup, namespaces
 from app.config import Settings
+from app.eviction import Capacity
 from app.index.migrate import upgrade_head
 from app.index.repository import Index, make_engine
+from app.reconcile import reconcile
 from app.service import BlockService, MetaCache
 from app.storage import build_store
 
@@ -34,23 +37,40 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await store.start()
         await upgrade_head(cfg.resolved_db_url)
         index = Index(
-            make_engine(cfg.resolved_db_url, sqlite_synchronous=cfg.sqlite_synchronous),
+            make_engine(
+                cfg.resolved_db_url,
+                sqlite_synchronous=cfg.sqlite_synchronous,
+                busy_timeout_s=cfg.sqlite_busy_timeout_s,
+            ),
             flush_interval_s=cfg.access_flush_interval_s,
         )
         await index.start()
-        app.state.service = BlockService(
+        svc = BlockService(
             store=store, index=index, cache=MetaCache(entries=cfg.meta_cache_entries, ttl_s=cfg.meta_cache_ttl_s)
         )
+        if cfg.reconcile_on_start:
+            await reconcile(store=store, index=index, concurrency=cfg.reconcile_concurrency)
+        capacity = Capacity(service=svc, settings=cfg)
+        await capacity.start()
+        svc.capacity = capacity
+        app.state.service = svc
+        app.state.capacity = capacity
+        app.state.started_at = time.monotonic()
         log.info("kvgate ready backend=%s index=%s", cfg.backend.kind, cfg.resolved_db_url.split("://")[0])
         try:
             yield
         finally:
+            await capacity.close()
             await index.close()
             await store.close()
 
     app = FastAPI(title="kvgate", version=__version__, description=DESCRIPTION, lifespan=lifespan)
     app.state.settings = cfg
     errors.install(app)
-    for module in (blocks, lookup, namespaces, health):
+    for module in (blocks, lookup, namespaces, admin, health):
         app.include_router(module.router)
+    limits.install(app, cfg)  # inside auth: an unauthenticated request takes no upload slot
+    auth.install(app, cfg)
+    if cfg.metrics_enabled:
+        metrics.install(app)
     return app

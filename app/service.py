@@ -7,7 +7,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from app.errors import (
     BlockNotFound,
@@ -18,6 +18,7 @@ from app.errors import (
     RangeNotSatisfiable,
 )
 from app.index import BlockRecord, Index
+from app.parts import ByteSpan, PartAssembler, PartOutcome
 from app.storage import BlockStore, ObjectReader
 from app.storage.base import BodyChecker
 from connector.protocol import (
@@ -43,6 +44,29 @@ class BlockMeta:
 class PutResult:
     meta: BlockMeta
     created: bool
+
+
+@dataclass(slots=True)
+class Counters:
+    """In-process counters of block reads, for /v1/stats and /metrics (GET and HEAD; lookups are not reads)."""
+
+    hits: int = 0
+    misses: int = 0
+
+
+class CapacityHook(Protocol):
+    """Capacity accounting and admission (app/eviction.py): told of every stored and removed block."""
+
+    async def admit(self, *, namespace: str, size: int, replacing: int) -> None:
+        """Reserve room for ``size`` bytes (replacing ``replacing``), evicting if need be, or raise 507."""
+
+    def release(self, *, namespace: str, size: int) -> None:
+        """Drop the reservation made by ``admit`` (the PUT finished, stored or failed)."""
+
+    def stored(self, *, namespace: str, size: int, replaced: int | None) -> None:
+        """A block of ``size`` bytes is now recorded (``replaced``: the size it replaced; None: it is new)."""
+
+    def removed(self, *, namespace: str, size: int) -> None: ...
 
 
 class MetaCache:
@@ -130,6 +154,12 @@ class BlockService:
         self.store = store
         self.index = index
         self.cache = cache
+        self.parts = PartAssembler(store=store, index=index)
+        self.counters = Counters()
+        self.capacity: CapacityHook | None = None
+        """Set by create_app when a capacity bound is configured."""
+        self.writing: set[str] = set()
+        """Keys with a PUT in flight: eviction skips them (it would unlink the new data under the new row)."""
 
     async def _meta(self, key: str) -> BlockMeta | None:
         meta = self.cache.get(key)
@@ -164,11 +194,30 @@ class BlockService:
                 checker.update(chunk)
             checker.finish()
             return PutResult(meta=BlockMeta(key=path, size=size, digest=existing.digest), created=False)
-        stored = await self.store.put(path, body, size=size, expected_digest=digest)
-        self.cache.drop(path)
-        await self.index.upsert_block(
-            key=path, namespace=key.namespace, rank=key.rank, group=key.group, size=stored.size, digest=stored.digest
-        )
+        self.writing.add(path)  # before admission: eviction must not pick the block this PUT replaces
+        admitted = False
+        try:
+            if self.capacity is not None:
+                replacing = existing.size if existing else 0
+                await self.capacity.admit(namespace=key.namespace, size=size, replacing=replacing)
+                admitted = True
+            stored = await self.store.put(path, body, size=size, expected_digest=digest)
+            self.cache.drop(path)
+            await self.index.upsert_block(
+                key=path,
+                namespace=key.namespace,
+                rank=key.rank,
+                group=key.group,
+                size=stored.size,
+                digest=stored.digest,
+            )
+            if self.capacity is not None:
+                replaced = existing.size if existing else None
+                self.capacity.stored(namespace=key.namespace, size=stored.size, replaced=replaced)
+        finally:
+            self.writing.discard(path)
+            if admitted and self.capacity is not None:
+                self.capacity.release(namespace=key.namespace, size=size)
         meta = BlockMeta(key=path, size=stored.size, digest=stored.digest)
         self.cache.put(meta)
         return PutResult(meta=meta, created=existing is None)
@@ -176,34 +225,57 @@ class BlockService:
     async def head(self, key: BlockKey) -> BlockMeta:
         meta = await self._meta(key.path)
         if meta is None:
+            self.counters.misses += 1
             raise BlockNotFound(key.path)
+        self.counters.hits += 1
         return meta
 
     async def open(self, key: BlockKey) -> OpenBlock:
         path = key.path
         meta = await self._meta(path)
         if meta is None:
+            self.counters.misses += 1
             raise BlockNotFound(path)
         try:
             reader = await self.store.open(path)
         except BlockNotFound:
             self.cache.drop(path)  # deleted behind our back (another replica, an operator)
+            self.counters.misses += 1
             raise
         if reader.size != meta.size:
             await reader.aclose()
             self.cache.drop(path)
             log.error("size mismatch key=%s index=%s store=%s", path, meta.size, reader.size)
+            self.counters.misses += 1
             raise BlockNotFound(path)
+        self.counters.hits += 1
         self.index.touch(path)
         return OpenBlock(meta, reader)
 
     async def delete(self, key: BlockKey) -> None:
         path = key.path
         self.cache.drop(path)
+        record = await self.index.get(path) if self.capacity is not None else None
         removed_data = await self.store.delete(path)
         removed_rows = await self.index.delete_blocks([path])
+        if self.capacity is not None and record is not None and removed_rows:
+            self.capacity.removed(namespace=record.namespace, size=record.size)
+        await self.parts.drop(path)
         if not removed_data and not removed_rows:
             raise BlockNotFound(path)
+
+    async def put_part(
+        self, key: BlockKey, body: AsyncIterable[bytes], *, span: ByteSpan, part_digest: str | None, create_only: bool
+    ) -> PartOutcome:
+        """Store one byte range of a multi-part object; the object is published when the parts cover it."""
+        if create_only and await self._meta(key.path) is not None:
+            raise PreconditionFailed(f"{key.path!r} is present (If-None-Match: *)")
+        outcome = await self.parts.put_part(key, body, span=span, part_digest=part_digest)
+        if outcome.complete:
+            self.cache.drop(key.path)
+            if outcome.created and self.capacity is not None:
+                self.capacity.stored(namespace=key.namespace, size=span.total, replaced=None)
+        return outcome
 
     async def lookup(self, paths: list[str]) -> tuple[int, list[BlockRecord | None]]:
         """Length of the longest present prefix of ``paths``, and each path's record (None: absent)."""

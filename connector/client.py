@@ -193,7 +193,9 @@ class BlockClient:
         """One request with retries; returns (status, (headers, body)). Raises GatewayUnavailable."""
         if self.gateway_down:
             raise GatewayUnavailable(f"gateway marked down for {self._down_until - time.monotonic():.2f}s more")
-        timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
+        # No per-call timeout: leave the argument out, so the session's timeouts apply (None would disable them).
+        if timeout_s is not None:
+            kw["timeout"] = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.config.connect_timeout_s)
         delay = self.config.backoff_s
         last = ""
         refused = False
@@ -204,7 +206,7 @@ class BlockClient:
                 delay *= 2
             refused = False
             try:
-                async with self._session.request(method, path, timeout=timeout, **kw) as resp:
+                async with self._session.request(method, path, **kw) as resp:
                     body = await resp.read() if method != "HEAD" else b""
                     if resp.status >= 500:
                         last = f"{resp.status} {body[:200]!r}"

@@ -11,6 +11,8 @@ import pytest
 from connector.protocol import block_path, namespace_for, run_fields
 from tests.gateway import Gateway
 
+pytest_plugins = ["tests.services"]  # session-wide moto S3 and PostgreSQL servers, started once on first use
+
 
 @pytest.fixture
 def gateway(tmp_path: Path) -> Iterator[Gateway]:

@@ -7,17 +7,19 @@ from collections.abc import AsyncIterator
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Request, Response
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from starlette.types import Receive, Scope, Send
 
 from app.api.deps import service, settings
 from app.api.errors import documented
+from app.api.thin import ThinRoute
 from app.config import Settings
 from app.errors import InvalidRequest, LengthRequired, PayloadTooLarge
+from app.parts import parse_content_range
 from app.service import BlockMeta, BlockService, OpenBlock, parse_key, resolve_range
-from connector.protocol import DIGEST_HEADER
+from connector.protocol import DIGEST_HEADER, PART_DIGEST_HEADER, BlockKey
 
-router = APIRouter(prefix="/v1/blocks", tags=["blocks"])
+router = APIRouter(prefix="/v1/blocks", tags=["blocks"], route_class=ThinRoute)  # the data path: cheap binding
 
 _HEX64 = re.compile(r"[0-9a-fA-F]{64}")
 PATH_DOC = "A vLLM FileMapper path: `<ns>_r<rank>/<hhh>/<hh>_g<group>/<hash>.bin`"
@@ -28,6 +30,16 @@ class PutResponse(BaseModel):
     size: int
     digest: str
     created: bool
+
+
+class PartResponse(BaseModel):
+    key: str
+    start: int
+    end: int = Field(description="inclusive, as in Content-Range")
+    total: int
+    part_digest: str
+    complete: bool = Field(description="the parts now cover the object: it is visible")
+    digest: str | None = Field(default=None, description="sha256 of the whole object once complete")
 
 
 def etag(meta: BlockMeta) -> str:
@@ -58,12 +70,55 @@ class BlockResponse(Response):
             await self._block.reader.aclose()
 
 
-def _digest_header(value: str | None) -> str | None:
+def _digest_header(value: str | None, name: str = DIGEST_HEADER) -> str | None:
     if value is None:
         return None
     if not _HEX64.fullmatch(value):
-        raise InvalidRequest(f"{DIGEST_HEADER} must be 64 hex characters (sha256)")
+        raise InvalidRequest(f"{name} must be 64 hex characters (sha256)")
     return value.lower()
+
+
+async def _put_part(
+    key: BlockKey,
+    request: Request,
+    svc: BlockService,
+    *,
+    content_range: str,
+    content_length: int,
+    part_digest: str | None,
+    create_only: bool,
+) -> Response:
+    """One rank's byte range of a multi-part object: 202 stored, 201 it completed the object, 200 nothing new."""
+    span = parse_content_range(content_range)
+    if span.size != content_length:
+        raise InvalidRequest(f"Content-Range covers {span.size} bytes, Content-Length says {content_length}")
+    out = await svc.put_part(
+        key,
+        request.stream(),
+        span=span,
+        part_digest=_digest_header(part_digest, PART_DIGEST_HEADER),
+        create_only=create_only,
+    )
+    body = PartResponse(
+        key=out.key,
+        start=span.start,
+        end=span.end - 1,
+        total=span.total,
+        part_digest=out.part_digest,
+        complete=out.complete,
+        digest=out.digest,
+    )
+    status = 200 if not out.created else 201 if out.complete else 202
+    headers = {"Location": f"/v1/blocks/{out.key}"}
+    if out.digest is not None:
+        headers["ETag"] = f'"{out.digest}"'
+    return Response(body.model_dump_json(), status_code=status, media_type="application/json", headers=headers)
+
+
+_PUT_RESPONSES: dict[int | str, dict[str, object]] = {
+    200: {"description": "identical block (or part) already present", "model": PutResponse},
+    202: {"description": "part stored; the object is not complete yet", "model": PartResponse},
+}
 
 
 @router.put(
@@ -71,8 +126,7 @@ def _digest_header(value: str | None) -> str | None:
     summary="Store a block",
     status_code=201,
     response_model=PutResponse,
-    responses={200: {"description": "identical block already present", "model": PutResponse}}
-    | documented(400, 411, 412, 413, 503, 507),
+    responses=_PUT_RESPONSES | documented(400, 409, 411, 412, 413, 416, 503, 507),
     openapi_extra={
         "requestBody": {
             "required": True,
@@ -88,6 +142,12 @@ async def put_block(
     content_length: Annotated[int | None, Header(ge=0)] = None,
     if_none_match: Annotated[str | None, Header()] = None,
     x_kvgate_sha256: Annotated[str | None, Header(alias=DIGEST_HEADER, description="hex sha256 of the body")] = None,
+    content_range: Annotated[
+        str | None, Header(description="`bytes a-b/total`: store one part of a multi-part object")
+    ] = None,
+    x_kvgate_part_sha256: Annotated[
+        str | None, Header(alias=PART_DIGEST_HEADER, description="hex sha256 of this part's bytes")
+    ] = None,
 ) -> Response:
     key = parse_key(path)
     if content_length is None:
@@ -96,6 +156,18 @@ async def put_block(
         raise PayloadTooLarge(f"body of {content_length} bytes is over the {cfg.max_block_bytes}-byte limit")
     if if_none_match is not None and if_none_match.strip() != "*":
         raise InvalidRequest("only 'If-None-Match: *' is supported")
+    if content_range is not None:
+        if parse_content_range(content_range).total > cfg.max_block_bytes:
+            raise PayloadTooLarge(f"object is over the {cfg.max_block_bytes}-byte limit")
+        return await _put_part(
+            key,
+            request,
+            svc,
+            content_range=content_range,
+            content_length=content_length,
+            part_digest=x_kvgate_part_sha256,
+            create_only=if_none_match is not None,
+        )
     result = await svc.put(
         key,
         request.stream(),
@@ -119,8 +191,8 @@ async def put_block(
     responses={
         200: {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
         206: {"description": "the requested range", "content": {"application/octet-stream": {}}},
-    }
-    | documented(400, 404, 416, 503),
+        **documented(400, 404, 416, 503),
+    },
 )
 async def get_block(
     path: str,
@@ -146,7 +218,7 @@ async def get_block(
     "/{path:path}",
     summary="Size and ETag of a block",
     response_class=Response,
-    responses={200: {"description": "present; Content-Length is its size"}} | documented(400, 404, 503),
+    responses={200: {"description": "present; Content-Length is its size"}, **documented(400, 404, 503)},
 )
 async def head_block(path: str, svc: Annotated[BlockService, Depends(service)]) -> Response:
     meta = await svc.head(parse_key(path))

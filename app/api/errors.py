@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,10 +28,12 @@ ERROR_TABLE: dict[type[Exception], tuple[int, str]] = {
     e.NamespaceNotFound: (404, "namespace_not_found"),
     e.Conflict: (409, "conflict"),
     e.LengthRequired: (411, "length_required"),
+    e.RequestTimeout: (408, "request_timeout"),
     e.PreconditionFailed: (412, "precondition_failed"),
     e.PayloadTooLarge: (413, "payload_too_large"),
     e.RangeNotSatisfiable: (416, "range_not_satisfiable"),
     e.TooManyRequests: (429, "too_many_requests"),
+    e.HeadersTooLarge: (431, "headers_too_large"),
     e.BackendUnavailable: (503, "backend_unavailable"),
     e.IndexUnavailable: (503, "index_unavailable"),
     e.InsufficientStorage: (507, "insufficient_storage"),
@@ -56,8 +59,8 @@ def error_body(code: str, message: str) -> dict[str, dict[str, str]]:
 
 def lookup(exc: Exception) -> tuple[int, str]:
     for klass in type(exc).__mro__:
-        if klass in ERROR_TABLE:
-            return ERROR_TABLE[klass]  # type: ignore[index]
+        if klass in ERROR_TABLE and issubclass(klass, Exception):
+            return ERROR_TABLE[klass]
     return 500, "internal_error"
 
 
@@ -79,8 +82,11 @@ def install(app: FastAPI) -> None:
     async def on_domain(_: Request, exc: Exception) -> JSONResponse:
         return response_for(exc)
 
-    async def on_http(_: Request, exc: Exception) -> JSONResponse:
+    async def on_http(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
+        if exc.status_code == 404 and request.url.path.startswith("/v1/blocks/"):
+            # the router matched no route: the key has characters no route takes (a newline, ...), a bad key
+            return response_for(e.InvalidRequest("not a block key"))
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return JSONResponse(
             error_body(code, str(exc.detail)), status_code=exc.status_code, headers=getattr(exc, "headers", None)
@@ -101,6 +107,6 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(ClientDisconnect, on_disconnect)
 
 
-def documented(*statuses: int) -> dict[int | str, dict[str, object]]:
+def documented(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI ``responses`` entries for the error statuses a route can return."""
     return {s: {"description": STATUS_CODES.get(s, "error"), "model": ErrorResponse} for s in statuses}

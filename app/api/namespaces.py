@@ -18,7 +18,7 @@ router = APIRouter(prefix="/v1/namespaces", tags=["namespaces"])
     "/{namespace}/config",
     summary="Record a run's fields (their digest must match the namespace's name)",
     status_code=201,
-    responses={200: {"description": "already recorded with the same fields"}} | documented(400, 409, 503, 507),
+    responses={200: {"description": "already recorded with the same fields"}, **documented(400, 409, 503, 507)},
 )
 async def put_config(
     namespace: str,

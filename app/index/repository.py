@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -15,7 +16,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from sqlalchemy import Connection, bindparam, delete, event, func, select, update
+from sqlalchemy import Connection, and_, bindparam, case, delete, event, false, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
@@ -54,6 +55,29 @@ class PartRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class NamespaceUsage:
+    """Aggregates of one namespace's block rows (admin views, usage at start-up)."""
+
+    namespace: str
+    blocks: int
+    bytes: int
+    hits: int
+    never_read: int
+    last_write: float | None
+    last_access: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A block that eviction may remove: least recently used first."""
+
+    key: str
+    namespace: str
+    size: int
+    created_at: float
+
+
+@dataclass(frozen=True, slots=True)
 class NamespaceRecord:
     name: str
     fields: dict[str, Any]
@@ -74,16 +98,16 @@ def _record(row: Any) -> BlockRecord:
     )
 
 
-def make_engine(url: str, *, sqlite_synchronous: str = "FULL") -> AsyncEngine:
+def make_engine(url: str, *, sqlite_synchronous: str = "FULL", busy_timeout_s: float = 30.0) -> AsyncEngine:
     if url.startswith("sqlite"):
-        engine = create_async_engine(url, connect_args={"timeout": 30})
+        engine = create_async_engine(url, connect_args={"timeout": busy_timeout_s})
 
         @event.listens_for(engine.sync_engine, "connect")
         def _pragmas(dbapi_conn: Any, _record: Any) -> None:
             cur = dbapi_conn.cursor()
             cur.execute("PRAGMA journal_mode=WAL")
             cur.execute(f"PRAGMA synchronous={sqlite_synchronous}")
-            cur.execute("PRAGMA busy_timeout=30000")
+            cur.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
             cur.execute("PRAGMA foreign_keys=ON")
             cur.close()
 
@@ -132,6 +156,9 @@ class Index:
                 await conn.execute(select(func.count()).select_from(Namespace.__table__))
 
         await _guard(probe(), "check")
+        # Reads can work while writes cannot (a SQLite file write-locked by another process): probe a write too,
+        # through the group-commit task, so readiness also says that task is alive.
+        await self._write(lambda conn: conn.execute(delete(Namespace).where(false())))
 
     # -- group commit ----------------------------------------------------------------------------------------
 
@@ -183,23 +210,36 @@ class Index:
             },
         )
 
+    @functools.cached_property
+    def _upsert_bound(self) -> Any:
+        """The upsert with bind parameters, built once: SQLAlchemy then reuses its compiled form for every row."""
+        ins = (postgresql.insert if self._dialect == "postgresql" else sqlite.insert)(Block)
+        return ins.on_conflict_do_update(
+            index_elements=[Block.key],
+            set_={
+                "size": ins.excluded.size,
+                "digest": ins.excluded.digest,
+                "created_at": ins.excluded.created_at,
+                "last_access": ins.excluded.last_access,
+            },
+        )
+
     async def upsert_block(self, *, key: str, namespace: str, rank: int, group: int, size: int, digest: str) -> None:
         """Record a stored block; returns once the row is committed."""
         now = time.time()
-        stmt = self._upsert_stmt(
-            {
-                "key": key,
-                "namespace": namespace,
-                "rank": rank,
-                "grp": group,
-                "size": size,
-                "digest": digest,
-                "created_at": now,
-                "last_access": now,
-                "hits": 0,
-            }
-        )
-        await self._write(lambda conn: conn.execute(stmt))
+        values = {
+            "key": key,
+            "namespace": namespace,
+            "rank": rank,
+            "grp": group,
+            "size": size,
+            "digest": digest,
+            "created_at": now,
+            "last_access": now,
+            "hits": 0,
+        }
+        stmt = self._upsert_bound
+        await self._write(lambda conn: conn.execute(stmt, values))
 
     async def adopt_blocks(self, records: Sequence[BlockRecord]) -> None:
         if not records:
@@ -240,10 +280,15 @@ class Index:
             self._access.pop(key, None)
         return int(await self._write(run))
 
+    @functools.cached_property
+    def _get_bound(self) -> Any:
+        """One block by key, built once (the hot read of HEAD/GET misses and of every PUT)."""
+        return select(Block).where(Block.key == bindparam("key"))
+
     async def get(self, key: str) -> BlockRecord | None:
         async def q() -> BlockRecord | None:
             async with self.engine.connect() as conn:
-                row = (await conn.execute(select(Block).where(Block.key == key))).first()
+                row = (await conn.execute(self._get_bound, {"key": key})).first()
             return None if row is None else _record(row)
 
         return await _guard(q(), "read")
@@ -384,3 +429,135 @@ class Index:
             return int(conn.execute(delete(Part).where(Part.key == key)).rowcount)
 
         return int(await self._write(run))
+
+    # -- capacity, reconcile and admin ----------------------------------------------------------------------
+
+    async def block_sizes(self) -> dict[str, int]:
+        """Every block row's key and size (reconcile compares them with the store's listing)."""
+
+        async def q() -> dict[str, int]:
+            async with self.engine.connect() as conn:
+                return {r.key: int(r.size) for r in await conn.execute(select(Block.key, Block.size))}
+
+        return await _guard(q(), "scan")
+
+    async def adopt_many(self, records: Sequence[BlockRecord], *, chunk: int = 2000) -> None:
+        """Upsert many rows at once (executemany, one transaction per chunk); used by reconcile."""
+        ins = (postgresql.insert if self._dialect == "postgresql" else sqlite.insert)(Block)
+        stmt = ins.on_conflict_do_update(
+            index_elements=[Block.key],
+            set_={"size": ins.excluded.size, "digest": ins.excluded.digest, "created_at": ins.excluded.created_at},
+        )
+        rows = [
+            {
+                "key": r.key,
+                "namespace": r.namespace,
+                "rank": r.rank,
+                "grp": r.group,
+                "size": r.size,
+                "digest": r.digest,
+                "created_at": r.created_at,
+                "last_access": r.last_access,
+                "hits": r.hits,
+            }
+            for r in records
+        ]
+
+        def run(part: list[dict[str, Any]]) -> SyncOp:
+            return lambda conn: conn.execute(stmt, part)
+
+        for start in range(0, len(rows), chunk):
+            await self._write(run(rows[start : start + chunk]))
+
+    async def lru_candidates(self, *, limit: int, namespace: str | None = None) -> list[Candidate]:
+        """The ``limit`` least recently used blocks (last access, then creation time, then key)."""
+
+        async def q() -> list[Candidate]:
+            stmt = select(Block.key, Block.namespace, Block.size, Block.created_at)
+            if namespace is not None:
+                stmt = stmt.where(Block.namespace == namespace)
+            stmt = stmt.order_by(Block.last_access, Block.created_at, Block.key).limit(limit)
+            async with self.engine.connect() as conn:
+                return [
+                    Candidate(key=r.key, namespace=r.namespace, size=int(r.size), created_at=float(r.created_at))
+                    for r in await conn.execute(stmt)
+                ]
+
+        return await _guard(q(), "read")
+
+    async def delete_if_unchanged(self, items: Sequence[Candidate]) -> list[Candidate]:
+        """Delete each row unless it was rewritten since it was read (its created_at moved); the deleted ones."""
+        if not items:
+            return []
+
+        def run(conn: Connection) -> list[Candidate]:
+            gone: list[Candidate] = []
+            for c in items:
+                cond = and_(Block.key == c.key, Block.created_at == c.created_at)
+                if conn.execute(delete(Block).where(cond)).rowcount:
+                    gone.append(c)
+            return gone
+
+        for c in items:
+            self._access.pop(c.key, None)
+        result: list[Candidate] = await self._write(run)
+        return result
+
+    async def namespace_usage(self, namespace: str | None = None) -> list[NamespaceUsage]:
+        """Per-namespace aggregates of the block rows (one GROUP BY), ordered by name."""
+
+        async def q() -> list[NamespaceUsage]:
+            stmt = select(
+                Block.namespace,
+                func.count(),
+                func.coalesce(func.sum(Block.size), 0),
+                func.coalesce(func.sum(Block.hits), 0),
+                func.coalesce(func.sum(case((Block.hits == 0, 1), else_=0)), 0),
+                func.max(Block.created_at),
+                func.max(Block.last_access),
+            ).group_by(Block.namespace)
+            if namespace is not None:
+                stmt = stmt.where(Block.namespace == namespace)
+            async with self.engine.connect() as conn:
+                rows = (await conn.execute(stmt.order_by(Block.namespace))).all()
+            return [
+                NamespaceUsage(
+                    namespace=r[0],
+                    blocks=int(r[1]),
+                    bytes=int(r[2]),
+                    hits=int(r[3]),
+                    never_read=int(r[4]),
+                    last_write=None if r[5] is None else float(r[5]),
+                    last_access=None if r[6] is None else float(r[6]),
+                )
+                for r in rows
+            ]
+
+        return await _guard(q(), "read")
+
+    async def namespace_names(self) -> list[str]:
+        """Names of the namespaces that have recorded fields."""
+
+        async def q() -> list[str]:
+            async with self.engine.connect() as conn:
+                return [r[0] for r in await conn.execute(select(Namespace.name).order_by(Namespace.name))]
+
+        return await _guard(q(), "read")
+
+    async def namespace_blocks(self, namespace: str) -> list[tuple[str, int]]:
+        """(key, size) of every block row of ``namespace``."""
+
+        async def q() -> list[tuple[str, int]]:
+            stmt = select(Block.key, Block.size).where(Block.namespace == namespace)
+            async with self.engine.connect() as conn:
+                return [(r.key, int(r.size)) for r in await conn.execute(stmt)]
+
+        return await _guard(q(), "read")
+
+    async def delete_namespace(self, name: str) -> bool:
+        """Remove a namespace's fields row; False if it had none."""
+
+        def run(conn: Connection) -> bool:
+            return bool(conn.execute(delete(Namespace).where(Namespace.name == name)).rowcount)
+
+        return bool(await self._write(run))

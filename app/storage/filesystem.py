@@ -17,7 +17,7 @@ from typing import TypeVar
 import anyio.to_thread
 
 from app.errors import BackendUnavailable, BlockNotFound, InsufficientStorage, InvalidRequest
-from app.storage.base import BodyChecker, ObjectInfo, ObjectMeta, coalesce
+from app.storage.base import BodyChecker, ObjectInfo, ObjectMeta
 
 TEMP_PREFIX = ".kvgate-tmp-"
 T = TypeVar("T")
@@ -36,6 +36,22 @@ async def _io(fn: Callable[..., T], *args: object, what: str) -> T:
         raise
     except OSError as exc:
         raise _translate(exc, what) from exc
+
+
+async def batched(body: AsyncIterable[bytes], *, chunk_bytes: int, max_pieces: int = 512) -> AsyncIterator[list[bytes]]:
+    """Group network chunks into lists of at least ``chunk_bytes`` (at most ``max_pieces``, under IOV_MAX)."""
+    pieces: list[bytes] = []
+    held = 0
+    async for piece in body:
+        if not piece:
+            continue
+        pieces.append(piece)
+        held += len(piece)
+        if held >= chunk_bytes or len(pieces) >= max_pieces:
+            yield pieces
+            pieces, held = [], 0
+    if pieces:
+        yield pieces
 
 
 class FsReader:
@@ -110,17 +126,26 @@ class FilesystemStore:
             final.parent.mkdir(parents=True, exist_ok=True)
             return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
 
-        def write(fd: int, chunk: bytes) -> None:
-            checker.update(chunk)
-            view = memoryview(chunk)
-            while view:
-                written = os.write(fd, view)
-                view = view[written:]
+        def write(fd: int, pieces: list[bytes]) -> None:
+            # the network chunks go down as one writev: hashed and written in place, never joined (no copy)
+            for piece in pieces:
+                checker.update(piece)
+            views = [memoryview(p) for p in pieces]
+            while views:
+                written = os.writev(fd, views)
+                while views and written >= len(views[0]):
+                    written -= len(views.pop(0))
+                if views and written:
+                    views[0] = views[0][written:]
 
-        def publish(fd: int) -> None:
+        fd = -1
+
+        def publish() -> None:
+            nonlocal fd
             if self._fsync:
                 os.fsync(fd)
-            os.close(fd)
+            done, fd = fd, -1
+            os.close(done)
             os.replace(tmp, final)
             if self._fsync:
                 dfd = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY)
@@ -129,17 +154,29 @@ class FilesystemStore:
                 finally:
                     os.close(dfd)
 
-        fd = await _io(create, what="create")
-        closed = False
-        try:
-            async for chunk in coalesce(body, chunk_bytes=self._chunk):
-                await _io(write, fd, chunk, what="write")
+        def step(pieces: list[bytes], last: bool) -> ObjectMeta | None:
+            # one worker-thread hop per batch; a body that fits one batch is created, written and published in one
+            nonlocal fd
+            if fd < 0:
+                fd = create()
+            write(fd, pieces)
+            if not last:
+                return None
             meta = checker.finish()
-            closed = True
-            await _io(publish, fd, what="publish")
+            publish()
             return meta
+
+        try:
+            batches = aiter(batched(body, chunk_bytes=self._chunk))
+            pending = await anext(batches, None)
+            while True:
+                following = await anext(batches, None) if pending is not None else None
+                meta = await _io(step, pending or [], following is None, what="write")
+                if meta is not None:
+                    return meta
+                pending = following
         except BaseException:
-            if not closed:
+            if fd >= 0:
                 os.close(fd)
             tmp.unlink(missing_ok=True)
             raise

@@ -13,9 +13,7 @@ import pytest
 
 from tests.conftest import TEST_NS, key_for, random_bytes, sha
 from tests.gateway import Gateway
-from tests.services import S3_CREDS, MotoServer, PgServer, moto_server, pg_server, unique_bucket
-
-__all__ = ["moto_server", "pg_server"]  # fixtures used below
+from tests.services import S3_CREDS, MotoServer, PgServer, unique_bucket
 
 MiB = 1024 * 1024
 

@@ -116,8 +116,8 @@ def purge(
 
 async def _gc(data_dir: Path | None, db_url: str | None, temp_older_than_s: float, progress: Progress) -> Any:
     from app.config import Settings
+    from app.index import Index, make_engine
     from app.index.migrate import upgrade_head
-    from app.index.repository import Index, make_engine
     from app.reconcile import reconcile
     from app.storage import build_store
 

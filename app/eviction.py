@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from app.config import Settings
 from app.errors import InsufficientStorage, KVGateError
-from app.index.repository import Candidate, NamespaceUsage
+from app.index import Candidate, NamespaceUsage
 from app.service import BlockService
 
 log = logging.getLogger("kvgate.eviction")

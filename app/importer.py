@@ -25,8 +25,8 @@ import typer
 
 from app.config import FsBackend, Settings
 from app.errors import KVGateError
+from app.index import Index, make_engine
 from app.index.migrate import upgrade_head
-from app.index.repository import Index, make_engine
 from app.service import BlockService, MetaCache
 from app.storage import build_store
 from connector.protocol import InvalidKey, parse_block_key, parse_config_key

@@ -13,8 +13,8 @@ from app import __version__, auth, limits, metrics
 from app.api import admin, blocks, errors, health, lookup, namespaces
 from app.config import Settings
 from app.eviction import Capacity
+from app.index import Index, make_engine
 from app.index.migrate import upgrade_head
-from app.index.repository import Index, make_engine
 from app.reconcile import reconcile
 from app.service import BlockService, MetaCache
 from app.storage import build_store

@@ -13,7 +13,7 @@ from app.api.deps import service
 from app.api.errors import documented
 from app.errors import InvalidRequest, NamespaceNotFound
 from app.eviction import Capacity
-from app.index.repository import NamespaceUsage
+from app.index import NamespaceUsage
 from app.service import BlockService
 from connector.protocol import InvalidKey, config_path, parse_block_key, parse_namespace
 

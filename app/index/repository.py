@@ -13,113 +13,27 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from sqlalchemy import Connection, and_, bindparam, case, delete, event, false, func, select, update
+from sqlalchemy import Connection, and_, bindparam, case, delete, false, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import DBAPIError, SQLAlchemyError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.errors import IndexUnavailable
+from app.index.engine import guard
 from app.index.models import Block, Namespace, Part
+from app.index.records import (
+    BlockRecord,
+    Candidate,
+    NamespaceRecord,
+    NamespaceUsage,
+    PartRecord,
+    block_record,
+)
 
 log = logging.getLogger("kvgate.index")
 T = TypeVar("T")
 SyncOp = Callable[[Connection], Any]
-
-
-@dataclass(frozen=True, slots=True)
-class BlockRecord:
-    key: str
-    namespace: str
-    rank: int
-    group: int
-    size: int
-    digest: str
-    created_at: float
-    last_access: float
-    hits: int
-
-
-@dataclass(frozen=True, slots=True)
-class PartRecord:
-    """A stored byte range ``[start, end)`` of the object ``key`` of ``total`` bytes."""
-
-    key: str
-    start: int
-    end: int
-    total: int
-    digest: str
-    store_key: str
-
-
-@dataclass(frozen=True, slots=True)
-class NamespaceUsage:
-    """Aggregates of one namespace's block rows (admin views, usage at start-up)."""
-
-    namespace: str
-    blocks: int
-    bytes: int
-    hits: int
-    never_read: int
-    last_write: float | None
-    last_access: float | None
-
-
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    """A block that eviction may remove: least recently used first."""
-
-    key: str
-    namespace: str
-    size: int
-    created_at: float
-
-
-@dataclass(frozen=True, slots=True)
-class NamespaceRecord:
-    name: str
-    fields: dict[str, Any]
-    created_at: float
-
-
-def _record(row: Any) -> BlockRecord:
-    return BlockRecord(
-        key=row.key,
-        namespace=row.namespace,
-        rank=row.rank,
-        group=row.grp,
-        size=row.size,
-        digest=row.digest,
-        created_at=row.created_at,
-        last_access=row.last_access,
-        hits=row.hits,
-    )
-
-
-def make_engine(url: str, *, sqlite_synchronous: str = "FULL", busy_timeout_s: float = 30.0) -> AsyncEngine:
-    if url.startswith("sqlite"):
-        engine = create_async_engine(url, connect_args={"timeout": busy_timeout_s})
-
-        @event.listens_for(engine.sync_engine, "connect")
-        def _pragmas(dbapi_conn: Any, _record: Any) -> None:
-            cur = dbapi_conn.cursor()
-            cur.execute("PRAGMA journal_mode=WAL")
-            cur.execute(f"PRAGMA synchronous={sqlite_synchronous}")
-            cur.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
-            cur.execute("PRAGMA foreign_keys=ON")
-            cur.close()
-
-        return engine
-    return create_async_engine(url, pool_size=10, max_overflow=10, pool_pre_ping=True)
-
-
-async def _guard(coro: Awaitable[T], what: str) -> T:
-    try:
-        return await coro
-    except (SQLAlchemyError, DBAPIError, OSError, ConnectionError) as exc:
-        raise IndexUnavailable(f"index {what} failed: {type(exc).__name__}") from exc
 
 
 class Index:
@@ -155,7 +69,7 @@ class Index:
             async with self.engine.connect() as conn:
                 await conn.execute(select(func.count()).select_from(Namespace.__table__))
 
-        await _guard(probe(), "check")
+        await guard(probe(), "check")
         # Reads can work while writes cannot (a SQLite file write-locked by another process): probe a write too,
         # through the group-commit task, so readiness also says that task is alive.
         await self._write(lambda conn: conn.execute(delete(Namespace).where(false())))
@@ -289,9 +203,9 @@ class Index:
         async def q() -> BlockRecord | None:
             async with self.engine.connect() as conn:
                 row = (await conn.execute(self._get_bound, {"key": key})).first()
-            return None if row is None else _record(row)
+            return None if row is None else block_record(row)
 
-        return await _guard(q(), "read")
+        return await guard(q(), "read")
 
     async def get_many(self, keys: Sequence[str]) -> dict[str, BlockRecord]:
         async def q() -> dict[str, BlockRecord]:
@@ -300,17 +214,17 @@ class Index:
                 for start in range(0, len(keys), 500):
                     chunk = list(keys[start : start + 500])
                     for row in await conn.execute(select(Block).where(Block.key.in_(chunk))):
-                        found[row.key] = _record(row)
+                        found[row.key] = block_record(row)
             return found
 
-        return await _guard(q(), "read")
+        return await guard(q(), "read")
 
     async def iter_keys(self, *, batch: int = 5000) -> list[BlockRecord]:
         async def q() -> list[BlockRecord]:
             async with self.engine.connect() as conn:
-                return [_record(r) for r in await conn.execute(select(Block).order_by(Block.key))]
+                return [block_record(r) for r in await conn.execute(select(Block).order_by(Block.key))]
 
-        return await _guard(q(), "scan")
+        return await guard(q(), "scan")
 
     async def usage(self) -> tuple[int, int]:
         """(blocks, bytes) recorded in the index."""
@@ -320,7 +234,7 @@ class Index:
                 row = (await conn.execute(select(func.count(), func.coalesce(func.sum(Block.size), 0)))).one()
             return int(row[0]), int(row[1])
 
-        return await _guard(q(), "read")
+        return await guard(q(), "read")
 
     # -- access times, written behind ------------------------------------------------------------------------
 
@@ -379,7 +293,7 @@ class Index:
                 return None
             return NamespaceRecord(name=row.name, fields=json.loads(row.fields), created_at=row.created_at)
 
-        return await _guard(q(), "read")
+        return await guard(q(), "read")
 
     async def run_read(self, fn: Callable[[AsyncConnection], Awaitable[T]]) -> T:
         """Run a read query built elsewhere (admin views) with the index's error translation."""
@@ -388,7 +302,7 @@ class Index:
             async with self.engine.connect() as conn:
                 return await fn(conn)
 
-        return await _guard(q(), "read")
+        return await guard(q(), "read")
 
     # -- parts of multi-part objects -------------------------------------------------------------------------
 
@@ -422,7 +336,7 @@ class Index:
                     for r in rows
                 ]
 
-        return await _guard(q(), "read")
+        return await guard(q(), "read")
 
     async def delete_parts(self, key: str) -> int:
         def run(conn: Connection) -> int:
@@ -439,7 +353,7 @@ class Index:
             async with self.engine.connect() as conn:
                 return {r.key: int(r.size) for r in await conn.execute(select(Block.key, Block.size))}
 
-        return await _guard(q(), "scan")
+        return await guard(q(), "scan")
 
     async def adopt_many(self, records: Sequence[BlockRecord], *, chunk: int = 2000) -> None:
         """Upsert many rows at once (executemany, one transaction per chunk); used by reconcile."""
@@ -483,7 +397,7 @@ class Index:
                     for r in await conn.execute(stmt)
                 ]
 
-        return await _guard(q(), "read")
+        return await guard(q(), "read")
 
     async def delete_if_unchanged(self, items: Sequence[Candidate]) -> list[Candidate]:
         """Delete each row unless it was rewritten since it was read (its created_at moved); the deleted ones."""
@@ -533,7 +447,7 @@ class Index:
                 for r in rows
             ]
 
-        return await _guard(q(), "read")
+        return await guard(q(), "read")
 
     async def namespace_names(self) -> list[str]:
         """Names of the namespaces that have recorded fields."""
@@ -542,7 +456,7 @@ class Index:
             async with self.engine.connect() as conn:
                 return [r[0] for r in await conn.execute(select(Namespace.name).order_by(Namespace.name))]
 
-        return await _guard(q(), "read")
+        return await guard(q(), "read")
 
     async def namespace_blocks(self, namespace: str) -> list[tuple[str, int]]:
         """(key, size) of every block row of ``namespace``."""
@@ -552,7 +466,7 @@ class Index:
             async with self.engine.connect() as conn:
                 return [(r.key, int(r.size)) for r in await conn.execute(stmt)]
 
-        return await _guard(q(), "read")
+        return await guard(q(), "read")
 
     async def delete_namespace(self, name: str) -> bool:
         """Remove a namespace's fields row; False if it had none."""

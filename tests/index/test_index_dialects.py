@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, inspect, select, text
 
+from app.index import BlockRecord, Index, make_engine
 from app.index.migrate import upgrade_head
 from app.index.models import Block
-from app.index.repository import BlockRecord, Index, make_engine
 from tests.gateway import REPO
 
 NS = "m_0123456789ab"

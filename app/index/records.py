@@ -1,0 +1,75 @@
+"""What the index returns: plain frozen records, never ORM rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRecord:
+    key: str
+    namespace: str
+    rank: int
+    group: int
+    size: int
+    digest: str
+    created_at: float
+    last_access: float
+    hits: int
+
+
+@dataclass(frozen=True, slots=True)
+class PartRecord:
+    """A stored byte range ``[start, end)`` of the object ``key`` of ``total`` bytes."""
+
+    key: str
+    start: int
+    end: int
+    total: int
+    digest: str
+    store_key: str
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceUsage:
+    """Aggregates of one namespace's block rows (admin views, usage at start-up)."""
+
+    namespace: str
+    blocks: int
+    bytes: int
+    hits: int
+    never_read: int
+    last_write: float | None
+    last_access: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A block that eviction may remove: least recently used first."""
+
+    key: str
+    namespace: str
+    size: int
+    created_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceRecord:
+    name: str
+    fields: dict[str, Any]
+    created_at: float
+
+
+def block_record(row: Any) -> BlockRecord:
+    return BlockRecord(
+        key=row.key,
+        namespace=row.namespace,
+        rank=row.rank,
+        group=row.grp,
+        size=row.size,
+        digest=row.digest,
+        created_at=row.created_at,
+        last_access=row.last_access,
+        hits=row.hits,
+    )

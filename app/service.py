@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -12,7 +13,9 @@ from typing import Any, Protocol
 from app.errors import (
     BlockNotFound,
     Conflict,
+    IndexUnavailable,
     InvalidRequest,
+    KVGateError,
     NamespaceNotFound,
     PreconditionFailed,
     RangeNotSatisfiable,
@@ -203,14 +206,22 @@ class BlockService:
                 admitted = True
             stored = await self.store.put(path, body, size=size, expected_digest=digest)
             self.cache.drop(path)
-            await self.index.upsert_block(
-                key=path,
-                namespace=key.namespace,
-                rank=key.rank,
-                group=key.group,
-                size=stored.size,
-                digest=stored.digest,
-            )
+            try:
+                await self.index.upsert_block(
+                    key=path,
+                    namespace=key.namespace,
+                    rank=key.rank,
+                    group=key.group,
+                    size=stored.size,
+                    digest=stored.digest,
+                )
+            except IndexUnavailable:
+                if existing is not None and existing.digest != stored.digest:
+                    # The old row would vouch for the new bytes under the old ETag: take the bytes away instead
+                    # (a miss, which the client recomputes), never serve bytes the index does not describe.
+                    with contextlib.suppress(KVGateError):
+                        await self.store.delete(path)
+                raise
             if self.capacity is not None:
                 replaced = existing.size if existing else None
                 self.capacity.stored(namespace=key.namespace, size=stored.size, replaced=replaced)

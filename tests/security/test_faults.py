@@ -145,6 +145,11 @@ def test_locked_index_is_503_then_recovers(tmp_path: Path) -> None:
                 # WAL: reads go on under a write lock, so a present block is still served, an absent one a miss
                 assert c.get(f"/v1/blocks/{key_for(1)}").content == present
                 assert c.head(f"/v1/blocks/{key_for(2)}").status_code == 404
+                # Overwriting a present block while its row cannot be updated: never new bytes under the old ETag.
+                r = c.put(f"/v1/blocks/{key_for(1)}", content=b"other" * 2000)
+                assert r.status_code == 503
+                got = c.get(f"/v1/blocks/{key_for(1)}")
+                assert got.status_code == 404 or (got.content == present and got.headers["etag"] == f'"{sha(present)}"')
             finally:
                 holder.execute("ROLLBACK")
                 holder.close()

@@ -4,6 +4,7 @@ import hashlib
 import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -30,18 +31,27 @@ async def client(gateway: Gateway) -> AsyncIterator[httpx.AsyncClient]:
         yield c
 
 
-TEST_NS = namespace_for(
-    run_fields(
-        model_name="test-org/test-model",
+def agnostic_fields(
+    model_name: str, *, dtype: str = "bfloat16", groups: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """FileMapper fields of a parallel-agnostic test run (one full-attention group unless told otherwise)."""
+    return run_fields(
+        model_name=model_name,
         tokens_per_hash=16,
         blocks_per_file=1,
         tp_size=1,
         pp_size=1,
         pcp_size=1,
         dcp_size=1,
-        dtype="bfloat16",
-        kv_cache_groups=[{"tokens_per_block": 16, "layer_names": ["layer.0"]}],
+        dtype=dtype,
+        kv_cache_groups=[{"tokens_per_block": 16, "layer_names": ["layer.0"]}] if groups is None else groups,
         parallel_agnostic=True,
+    )
+
+
+TEST_NS = namespace_for(
+    agnostic_fields(
+        "test-org/test-model", dtype="bfloat16", groups=[{"tokens_per_block": 16, "layer_names": ["layer.0"]}]
     )
 )
 

@@ -6,23 +6,12 @@ from pathlib import Path
 
 import httpx
 
-from connector.protocol import config_path, namespace_for, run_fields
+from connector.protocol import config_path, namespace_for
 from tests.capacity.helpers import block_files, index_rows
-from tests.conftest import TEST_NS, key_for, sha
+from tests.conftest import TEST_NS, agnostic_fields, key_for, sha
 from tests.gateway import Gateway
 
-FIELDS = run_fields(
-    model_name="admin/model",
-    tokens_per_hash=16,
-    blocks_per_file=1,
-    tp_size=1,
-    pp_size=1,
-    pcp_size=1,
-    dcp_size=1,
-    dtype="float16",
-    kv_cache_groups=[],
-    parallel_agnostic=True,
-)
+FIELDS = agnostic_fields("admin/model", dtype="float16", groups=[])
 OTHER = namespace_for(FIELDS)
 
 

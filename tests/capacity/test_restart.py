@@ -10,9 +10,9 @@ from typing import Any
 
 import httpx
 
-from connector.protocol import config_path, namespace_for, run_fields
+from connector.protocol import config_path, namespace_for
 from tests.capacity.helpers import block_files, index_rows
-from tests.conftest import key_for, sha
+from tests.conftest import agnostic_fields, key_for, sha
 from tests.gateway import Gateway
 
 N = 10_000
@@ -87,18 +87,7 @@ def test_restart_keeps_usage_and_reconcile_shows_changes_behind_its_back(tmp_pat
             p = root / key_for(i)
             p.parent.mkdir(parents=True, exist_ok=True)
             p.write_bytes(data)
-        fields = run_fields(
-            model_name="adopted/model",
-            tokens_per_hash=16,
-            blocks_per_file=1,
-            tp_size=1,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            dtype="float16",
-            kv_cache_groups=[],
-            parallel_agnostic=True,
-        )
+        fields = agnostic_fields("adopted/model", dtype="float16", groups=[])
         adopted_ns = namespace_for(fields)
         cfg_file = root / config_path(adopted_ns)
         cfg_file.parent.mkdir(parents=True, exist_ok=True)

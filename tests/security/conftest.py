@@ -9,22 +9,13 @@ from pathlib import Path
 import pytest
 
 from app.auth import hash_token
-from connector.protocol import namespace_for, run_fields
-from tests.conftest import TEST_NS
+from connector.protocol import namespace_for
+from tests.conftest import TEST_NS, agnostic_fields
 from tests.gateway import Gateway
 
 OTHER_NS = namespace_for(
-    run_fields(
-        model_name="other-org/other-model",
-        tokens_per_hash=16,
-        blocks_per_file=1,
-        tp_size=1,
-        pp_size=1,
-        pcp_size=1,
-        dcp_size=1,
-        dtype="float16",
-        kv_cache_groups=[{"tokens_per_block": 16, "layer_names": ["layer.0"]}],
-        parallel_agnostic=True,
+    agnostic_fields(
+        "other-org/other-model", dtype="float16", groups=[{"tokens_per_block": 16, "layer_names": ["layer.0"]}]
     )
 )
 

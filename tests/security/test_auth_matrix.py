@@ -8,22 +8,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from connector.protocol import run_fields
-from tests.conftest import TEST_NS, key_for, random_bytes
+from tests.conftest import TEST_NS, agnostic_fields, key_for, random_bytes
 from tests.gateway import Gateway
 from tests.security.conftest import OTHER_NS, TOKENS, bearer, start_secure, tokens_json
 
-FIELDS = run_fields(
-    model_name="test-org/test-model",
-    tokens_per_hash=16,
-    blocks_per_file=1,
-    tp_size=1,
-    pp_size=1,
-    pcp_size=1,
-    dcp_size=1,
-    dtype="bfloat16",
-    kv_cache_groups=[{"tokens_per_block": 16, "layer_names": ["layer.0"]}],
-    parallel_agnostic=True,
+FIELDS = agnostic_fields(
+    "test-org/test-model", dtype="bfloat16", groups=[{"tokens_per_block": 16, "layer_names": ["layer.0"]}]
 )
 KEY = key_for(1)
 DATA = random_bytes(4096, 1)

@@ -9,22 +9,13 @@ from pathlib import Path
 
 import httpx
 
-from connector.protocol import config_path, namespace_for, run_fields
-from tests.conftest import key_for, random_bytes, sha
+from connector.protocol import config_path, namespace_for
+from tests.conftest import agnostic_fields, key_for, random_bytes, sha
 from tests.gateway import Gateway
 from tests.vllm.tier_harness import kvgate_import
 
-FIELDS = run_fields(
-    model_name="org/import-model",
-    tokens_per_hash=16,
-    blocks_per_file=1,
-    tp_size=1,
-    pp_size=1,
-    pcp_size=1,
-    dcp_size=1,
-    dtype="bfloat16",
-    kv_cache_groups=[{"tokens_per_block": 16, "layer_names": ["layer.0"]}],
-    parallel_agnostic=True,
+FIELDS = agnostic_fields(
+    "org/import-model", dtype="bfloat16", groups=[{"tokens_per_block": 16, "layer_names": ["layer.0"]}]
 )
 NS = namespace_for(FIELDS)
 

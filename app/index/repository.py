@@ -155,30 +155,6 @@ class Index:
         stmt = self._upsert_bound
         await self._write(lambda conn: conn.execute(stmt, values))
 
-    async def adopt_blocks(self, records: Sequence[BlockRecord]) -> None:
-        if not records:
-            return
-
-        def run(conn: Connection) -> None:
-            for r in records:
-                conn.execute(
-                    self._upsert_stmt(
-                        {
-                            "key": r.key,
-                            "namespace": r.namespace,
-                            "rank": r.rank,
-                            "grp": r.group,
-                            "size": r.size,
-                            "digest": r.digest,
-                            "created_at": r.created_at,
-                            "last_access": r.last_access,
-                            "hits": r.hits,
-                        }
-                    )
-                )
-
-        await self._write(run)
-
     async def delete_blocks(self, keys: Iterable[str]) -> int:
         keys = list(keys)
         if not keys:
@@ -218,13 +194,6 @@ class Index:
             return found
 
         return await guard(q(), "read")
-
-    async def iter_keys(self, *, batch: int = 5000) -> list[BlockRecord]:
-        async def q() -> list[BlockRecord]:
-            async with self.engine.connect() as conn:
-                return [block_record(r) for r in await conn.execute(select(Block).order_by(Block.key))]
-
-        return await guard(q(), "scan")
 
     async def usage(self) -> tuple[int, int]:
         """(blocks, bytes) recorded in the index."""

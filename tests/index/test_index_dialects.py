@@ -111,7 +111,7 @@ async def test_concurrent_upserts_group_commit(index: Index) -> None:
 
 async def test_get_many_in_order_and_over_batch(index: Index) -> None:
     present = [key(i) for i in range(0, 1200, 2)]  # over the 500-key IN batches
-    await index.adopt_blocks(
+    await index.adopt_many(
         [
             BlockRecord(
                 key=k, namespace=NS, rank=0, group=0, size=1, digest="d" * 64, created_at=1.0, last_access=1.0, hits=0

@@ -114,7 +114,9 @@ def purge(
     console.print(f"purged {r['namespace']}: {r['blocks']} blocks, {_human(r['bytes'])}, config={r['config']}")
 
 
-async def _gc(data_dir: Path | None, db_url: str | None, temp_older_than_s: float, progress: Progress) -> Any:
+async def _gc(
+    data_dir: Path | None, db_url: str | None, temp_older_than_s: float, stale_parts_s: float, progress: Progress
+) -> Any:
     from app.config import Settings
     from app.index import Index, make_engine
     from app.index.migrate import upgrade_head
@@ -141,6 +143,7 @@ async def _gc(data_dir: Path | None, db_url: str | None, temp_older_than_s: floa
             index=index,
             concurrency=cfg.reconcile_concurrency,
             temp_older_than_s=temp_older_than_s,
+            stale_parts_s=stale_parts_s,
             progress=note,
         )
     finally:
@@ -154,11 +157,14 @@ def gc(
     temp_older_than_s: Annotated[
         float, typer.Option(help="remove temp files older than this (a live gateway may be writing newer ones)")
     ] = 3600.0,
+    stale_parts_s: Annotated[
+        float, typer.Option(help="drop incomplete multi-part uploads whose oldest part is older than this")
+    ] = 3600.0,
 ) -> None:
     """Reconcile the index with the store directly (no gateway needed): drop dead rows, adopt orphan data."""
     columns = (TextColumn("{task.description:>7}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
-        report = asyncio.run(_gc(data_dir, db_url, temp_older_than_s, progress))
+        report = asyncio.run(_gc(data_dir, db_url, temp_older_than_s, stale_parts_s, progress))
     table = Table(title="kvgate gc", show_header=False)
     table.add_column("what")
     table.add_column("value", justify="right")
@@ -168,6 +174,7 @@ def gc(
         ("rows re-read (size changed)", report.resized),
         ("configs adopted", report.configs_adopted),
         ("temp files removed", report.temp_removed),
+        ("stale uploads dropped (parts)", report.stale_uploads_dropped),
         ("left alone", len(report.left_alone)),
         ("blocks now", report.blocks),
         ("bytes now", _human(report.bytes)),

@@ -5,7 +5,9 @@
 - data without a row is adopted: size and digest recomputed (bounded concurrency), namespace/rank/group parsed
   from the key with connector.protocol.parse_block_key; created/last access = the object's mtime, 0 hits;
 - keys that are not block keys: ``<ns>/config.json`` is adopted into the namespaces table if its fields hash to
-  the name; anything else (and part data under ``_parts/``) is left alone and logged.
+  the name; anything else is left alone and logged;
+- incomplete multi-part uploads (``_parts/``) older than ``stale_parts_s`` are dropped (data, then rows), and so
+  is part data that no row describes: a writer that died mid-upload leaks nothing for longer than that.
 
 DB work is batched: one scan of (key, size), one chunked DELETE, chunked executemany upserts.
 """
@@ -38,6 +40,8 @@ class ReconcileReport:
     resized: int = 0
     configs_adopted: int = 0
     temp_removed: int = 0
+    stale_uploads_dropped: int = 0
+    part_objects_removed: int = 0
     left_alone: list[str] = field(default_factory=list)
     blocks: int = 0
     bytes: int = 0
@@ -75,12 +79,32 @@ async def _adopt_config(store: BlockStore, index: Index, key: str, known: set[st
     return True
 
 
+async def _drop_stale_parts(
+    store: BlockStore, index: Index, objects: list[ObjectInfo], *, older_than_s: float, report: ReconcileReport
+) -> None:
+    cutoff = time.time() - older_than_s
+    uploads = await index.parts_summary()
+    described = {store_key for _, keys in uploads.values() for store_key in keys}
+    for key, (oldest, store_keys) in uploads.items():
+        if oldest > cutoff:
+            continue
+        for store_key in store_keys:
+            report.part_objects_removed += int(await store.delete(store_key))
+        await index.delete_parts(key)
+        report.stale_uploads_dropped += 1
+        log.warning("reconcile: dropped incomplete upload key=%s parts=%s", key, len(store_keys))
+    for info in objects:  # data of a part whose row never committed (or was dropped above)
+        if info.key not in described and info.mtime <= cutoff:
+            report.part_objects_removed += int(await store.delete(info.key))
+
+
 async def reconcile(
     *,
     store: BlockStore,
     index: Index,
     concurrency: int = 8,
     temp_older_than_s: float = 0.0,
+    stale_parts_s: float = 3600.0,
     progress: Progress | None = None,
 ) -> ReconcileReport:
     """Make the index agree with the store; returns what changed. Safe to run again at any time."""
@@ -94,8 +118,10 @@ async def reconcile(
     rows = await index.block_sizes()
     blocks: dict[str, ObjectInfo] = {}
     others: list[str] = []
+    part_objects: list[ObjectInfo] = []
     async for info in store.list():
         if info.key.startswith(PARTS_PREFIX):
+            part_objects.append(info)
             continue
         try:
             if parse_block_key(info.key).path == info.key:
@@ -157,6 +183,8 @@ async def reconcile(
         else:
             report.left_alone.append(key)
             log.warning("reconcile: left alone key=%s (neither a block nor a valid namespace config)", key)
+
+    await _drop_stale_parts(store, index, part_objects, older_than_s=stale_parts_s, report=report)
 
     usage = await index.namespace_usage()
     report.blocks = sum(u.blocks for u in usage)

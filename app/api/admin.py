@@ -145,7 +145,12 @@ async def purge_namespace(
                 orphans.append(info.key)
         except InvalidKey:
             continue
-    if not blocks and not has_config and not orphans:
+    uploads = {
+        key: store_keys
+        for key, (_, store_keys) in (await svc.index.parts_summary()).items()
+        if key.startswith(f"{namespace}_r")
+    }
+    if not blocks and not has_config and not orphans and not uploads:
         raise NamespaceNotFound(namespace)
     sem = asyncio.Semaphore(PURGE_CONCURRENCY)
 
@@ -155,7 +160,9 @@ async def purge_namespace(
             await svc.store.delete(key)
 
     # Data first, then rows (as eviction does): a crash in between leaves rows that reconcile drops.
-    await asyncio.gather(*(unlink(k) for k in [*known, *orphans]))
+    await asyncio.gather(*(unlink(k) for k in [*known, *orphans, *(k for ks in uploads.values() for k in ks)]))
+    for key in uploads:  # incomplete multi-part uploads of the namespace
+        await svc.index.delete_parts(key)
     removed = await svc.index.delete_blocks(list(known))
     for key in known:
         svc.cache.drop(key)

@@ -313,6 +313,20 @@ class Index:
 
         return int(await self._write(run))
 
+    async def parts_summary(self) -> dict[str, tuple[float, list[str]]]:
+        """Every incomplete object: key -> (oldest part's created_at, its parts' store keys)."""
+
+        async def q() -> dict[str, tuple[float, list[str]]]:
+            found: dict[str, tuple[float, list[str]]] = {}
+            async with self.engine.connect() as conn:
+                for r in await conn.execute(select(Part.key, Part.created_at, Part.store_key)):
+                    oldest, keys = found.get(r.key, (r.created_at, []))
+                    keys.append(r.store_key)
+                    found[r.key] = (min(oldest, r.created_at), keys)
+            return found
+
+        return await guard(q(), "read")
+
     # -- capacity, reconcile and admin ----------------------------------------------------------------------
 
     async def block_sizes(self) -> dict[str, int]:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -12,7 +15,7 @@ import pytest
 from app.parts import PARTS_PREFIX
 from connector.protocol import PART_DIGEST_HEADER, InvalidKey, parse_block_key
 from tests.conftest import key_for, random_bytes, sha
-from tests.gateway import Gateway
+from tests.gateway import REPO, Gateway
 
 
 def part_headers(start: int, end: int, total: int, data: bytes) -> dict[str, str]:
@@ -156,3 +159,51 @@ def test_part_store_keys_are_never_block_keys() -> None:
 async def test_part_key_rejected_as_client_key(client: httpx.AsyncClient) -> None:
     r = await client.put(f"/v1/blocks/{PARTS_PREFIX}{key_for(9)}/0-9.x", content=b"0123456789")
     assert r.status_code == 400
+
+
+def _part_files(gw: Gateway) -> list[Path]:
+    root = gw.data_dir / "blocks" / PARTS_PREFIX.rstrip("/")
+    return [p for p in root.rglob("*") if p.is_file()] if root.exists() else []
+
+
+def _part_rows(gw: Gateway) -> int:
+    with sqlite3.connect(gw.data_dir / "index.db") as db:
+        return int(db.execute("select count(*) from parts").fetchone()[0])
+
+
+async def test_purge_and_gc_drop_incomplete_uploads(tmp_path: Path) -> None:
+    gw = Gateway(tmp_path / "data").start()
+    try:
+        async with httpx.AsyncClient(base_url=gw.url) as c:
+            for i, key in enumerate([key_for(40), key_for(41)]):
+                blob = random_bytes(2000, seed=40 + i)
+                assert (await put_part(c, key, blob, 0, 1000)).status_code == 202
+            assert len(_part_files(gw)) == 2 and _part_rows(gw) == 2
+            ns = key_for(40).split("_r0/")[0]
+            purge = await c.delete(f"/v1/namespaces/{ns}")
+            assert purge.status_code == 200, purge.text
+            assert _part_files(gw) == [] and _part_rows(gw) == 0
+            # an upload left half done by a writer that died: gc drops it once it is older than the bound
+            blob = random_bytes(2000, seed=42)
+            assert (await put_part(c, key_for(42), blob, 0, 1000)).status_code == 202
+        gw.stop()
+        env = {**os.environ, "PYTHONPATH": str(REPO), "KVGATE_DATA_DIR": str(gw.data_dir)}
+        keep = subprocess.run(
+            [sys.executable, "-m", "app", "gc"], cwd=REPO, env=env, capture_output=True, timeout=120, check=True
+        )
+        assert len(_part_files(gw)) == 1 and _part_rows(gw) == 1, keep.stdout.decode()  # young: kept
+        subprocess.run(
+            [sys.executable, "-m", "app", "gc", "--stale-parts-s", "0"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            timeout=120,
+            check=True,
+        )
+        assert _part_files(gw) == [] and _part_rows(gw) == 0
+        gw.start()
+        async with httpx.AsyncClient(base_url=gw.url) as c:
+            assert (await c.head(f"/v1/blocks/{key_for(42)}")).status_code == 404
+            assert (await put_part(c, key_for(42), blob, 1000, 2000)).status_code == 202  # starts afresh
+    finally:
+        gw.stop()

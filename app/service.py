@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import time
 from collections import OrderedDict
@@ -13,12 +14,14 @@ from typing import Any, Protocol
 from app.errors import (
     BlockNotFound,
     Conflict,
+    DigestMismatch,
     IndexUnavailable,
     InvalidRequest,
     KVGateError,
     NamespaceNotFound,
     PreconditionFailed,
     RangeNotSatisfiable,
+    SizeMismatch,
 )
 from app.index import BlockRecord, Index
 from app.parts import ByteSpan, PartAssembler, PartOutcome
@@ -150,6 +153,33 @@ class OpenBlock:
                 yield chunk
         finally:
             await self.reader.aclose()
+
+
+async def read_range_verified(block: OpenBlock, start: int, end: int) -> tuple[bytes, str]:
+    """The bytes ``[start, end)`` and their sha256, after checking the WHOLE object against the index's digest.
+
+    A reader at another TP size asks for a byte range, which the ETag (the whole object's digest) cannot vouch for;
+    so the gateway reads the object once, checks it, and vouches for the range itself. A mismatch is corruption at
+    rest: BlockNotFound (a miss, which the engine recomputes), never the bytes.
+    """
+    checker = BodyChecker(size=block.meta.size, expected_digest=block.meta.digest)
+    chunks: list[bytes] = []
+    pos = 0
+    try:
+        async for chunk in block.reader.chunks(start=0, end=block.meta.size):
+            checker.update(chunk)
+            lo, hi = max(start, pos), min(end, pos + len(chunk))
+            if lo < hi:
+                chunks.append(chunk[lo - pos : hi - pos])
+            pos += len(chunk)
+        checker.finish()
+    except (DigestMismatch, SizeMismatch) as exc:
+        log.error("corrupt block key=%s: %s", block.meta.key, exc)
+        raise BlockNotFound(block.meta.key) from exc
+    finally:
+        await block.reader.aclose()
+    data = b"".join(chunks)
+    return data, hashlib.sha256(data).hexdigest()
 
 
 class BlockService:

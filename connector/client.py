@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import aiohttp
 
 from connector import layout
-from connector.protocol import DIGEST_HEADER, PART_DIGEST_HEADER
+from connector.protocol import DIGEST_HEADER, PART_DIGEST_HEADER, RANGE_DIGEST_HEADER
 
 log = logging.getLogger("kvgate.connector.client")
 T = TypeVar("T")
@@ -257,7 +257,8 @@ class BlockClient:
     ) -> bytes | None:
         """The object's bytes (or ``[start, end)`` of them); None on a miss, a short read or a digest mismatch.
 
-        A whole-object read is verified against ``expected_digest`` or, failing that, the ETag.
+        A whole-object read is verified against ``expected_digest`` or, failing that, the ETag; a range read against
+        the gateway's X-KVGate-Range-SHA256 (sent once it checked the whole object at rest).
         """
         headers = {}
         if byte_range is not None:
@@ -275,7 +276,13 @@ class BlockClient:
         if want is not None and len(body) != want:
             self._corrupt(key, f"short read: {len(body)} of {want} bytes")
             return None
-        if byte_range is None or (byte_range[0] == 0 and whole):
+        range_digest = resp_headers.get(RANGE_DIGEST_HEADER) if status == 206 else None
+        if range_digest is not None:  # the gateway checked the whole object and vouches for this range
+            actual = await self._digest(body)
+            if actual != range_digest.lower():
+                self._corrupt(key, f"range sha256 {actual} is not the gateway's {range_digest}")
+                return None
+        elif byte_range is None or (byte_range[0] == 0 and whole):
             expected = expected_digest or _strip_etag(resp_headers.get("ETag"))
             if expected is not None:
                 actual = await self._digest(body)

@@ -28,6 +28,8 @@ MAX_KEY_LEN = 512
 DIGEST_HEADER = "X-KVGate-SHA256"
 """Hex sha256 of the whole object; sent with a PUT to have it verified before anything is published."""
 PART_DIGEST_HEADER = "X-KVGate-Part-SHA256"
+RANGE_DIGEST_HEADER = "X-KVGate-Range-SHA256"
+"""On a 206: hex sha256 of the range's bytes, sent after the gateway checked the whole object against its digest."""
 
 _NS = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}_[0-9a-f]{12}"
 _BLOCK_RE = re.compile(

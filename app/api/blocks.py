@@ -16,8 +16,8 @@ from app.api.thin import ThinRoute
 from app.config import Settings
 from app.errors import InvalidRequest, LengthRequired, PayloadTooLarge
 from app.parts import parse_content_range
-from app.service import BlockMeta, BlockService, OpenBlock, parse_key, resolve_range
-from connector.protocol import DIGEST_HEADER, PART_DIGEST_HEADER, BlockKey
+from app.service import BlockMeta, BlockService, OpenBlock, parse_key, read_range_verified, resolve_range
+from connector.protocol import DIGEST_HEADER, PART_DIGEST_HEADER, RANGE_DIGEST_HEADER, BlockKey
 
 router = APIRouter(prefix="/v1/blocks", tags=["blocks"], route_class=ThinRoute)  # the data path: cheap binding
 
@@ -197,6 +197,7 @@ async def put_block(
 async def get_block(
     path: str,
     svc: Annotated[BlockService, Depends(service)],
+    cfg: Annotated[Settings, Depends(settings)],
     range_: Annotated[str | None, Header(alias="Range")] = None,
 ) -> Response:
     key = parse_key(path)
@@ -211,6 +212,10 @@ async def get_block(
         return BlockResponse(block, start=0, end=block.meta.size, status_code=200, headers=headers)
     start, end = span
     headers["Content-Range"] = f"bytes {start}-{end - 1}/{block.meta.size}"
+    if block.meta.size <= cfg.verify_range_max_bytes:
+        data, range_digest = await read_range_verified(block, start, end)
+        headers[RANGE_DIGEST_HEADER] = range_digest
+        return Response(data, status_code=206, headers=headers, media_type="application/octet-stream")
     return BlockResponse(block, start=start, end=end, status_code=206, headers=headers)
 
 

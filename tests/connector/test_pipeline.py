@@ -7,13 +7,15 @@ import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
 from connector.client import BlockClient, ClientConfig
 from connector.plan import BlockJob, KeyScheme, SchedulerPlanner
-from connector.protocol import KVGroup, RunNaming, naming
+from connector.protocol import RANGE_DIGEST_HEADER, KVGroup, RunNaming, naming
 from connector.transfer import BlockTransfer, KVLayout
+from tests.conftest import sha
 from tests.gateway import Gateway, free_port
 
 LAYERS, HEADS, HEAD_SIZE, BLOCK = 4, 8, 128, 16
@@ -213,6 +215,35 @@ def test_corrupt_object_is_a_miss_not_a_load(bc: BlockClient, gateway: Gateway) 
     for n in LAYER_NAMES:
         assert same(kv[n][:, 20], src[n][:, 0]) and same(kv[n][:, 21], src[n][:, 1])
         assert same(kv[n][:, 22], before[n][:, 22]) and same(kv[n][:, 23], before[n][:, 23])
+
+
+def test_corrupt_object_is_a_miss_for_range_readers(bc: BlockClient, gateway: Gateway) -> None:
+    """A TP=2 reader asks for a byte range; the gateway checks the whole object at rest before vouching for it."""
+    dtype = torch.bfloat16
+    full = full_kv(dtype=dtype, seed=12)
+    hs = hashes(70, 2)
+    for r in range(4):
+        w = pipeline(bc, shard(full, tp=4, rank=r), run_naming(tp=4, rank=r, dtype=dtype), tp=4, rank=r)
+        w.store(job("w", hs, [0, 1]))
+        w.wait_uploads(60)
+    nm = run_naming(tp=2, rank=0, dtype=dtype)
+    intact = httpx.get(f"{gateway.url}/v1/blocks/{nm.block(hs[0])}", headers={"Range": "bytes=0-99"})
+    assert intact.status_code == 206 and intact.headers[RANGE_DIGEST_HEADER] == sha(intact.content)
+    path = gateway.data_dir / "blocks" / nm.block(hs[1])
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) * 3 // 4] ^= 0x5A  # in rank 1's half: rank 0's range is intact, the object is not
+    path.write_bytes(bytes(raw))
+    corrupt_before = bc.stats.corrupt_reads
+    for rank in range(2):
+        kv = shard(full_kv(dtype=dtype, seed=13), tp=2, rank=rank)
+        before = {k: v.clone() for k, v in kv.items()}
+        reader = pipeline(bc, kv, run_naming(tp=2, rank=rank, dtype=dtype), tp=2, rank=rank)
+        assert load(reader, job(f"r{rank}", hs, [8, 9])) == {9}, rank
+        want = shard(full, tp=2, rank=rank)
+        for n in LAYER_NAMES:
+            assert same(kv[n][:, 8], want[n][:, 0])
+            assert same(kv[n][:, 9], before[n][:, 9])
+    assert bc.stats.corrupt_reads == corrupt_before  # the gateway refused (404): nothing wrong reached the client
 
 
 def test_partial_parts_are_a_miss(bc: BlockClient) -> None:

@@ -112,22 +112,14 @@ class Index:
 
     # -- blocks ----------------------------------------------------------------------------------------------
 
-    def _upsert_stmt(self, values: dict[str, Any]) -> Any:
-        ins = (postgresql.insert if self._dialect == "postgresql" else sqlite.insert)(Block).values(**values)
-        return ins.on_conflict_do_update(
-            index_elements=[Block.key],
-            set_={
-                "size": ins.excluded.size,
-                "digest": ins.excluded.digest,
-                "created_at": ins.excluded.created_at,
-                "last_access": ins.excluded.last_access,
-            },
-        )
+    def _insert(self, table: Any) -> Any:
+        """An INSERT of the index's dialect (both have ON CONFLICT, which the portable insert lacks)."""
+        return (postgresql.insert if self._dialect == "postgresql" else sqlite.insert)(table)
 
     @functools.cached_property
     def _upsert_bound(self) -> Any:
         """The upsert with bind parameters, built once: SQLAlchemy then reuses its compiled form for every row."""
-        ins = (postgresql.insert if self._dialect == "postgresql" else sqlite.insert)(Block)
+        ins = self._insert(Block)
         return ins.on_conflict_do_update(
             index_elements=[Block.key],
             set_={
@@ -247,9 +239,7 @@ class Index:
         text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
 
         def run(conn: Connection) -> bool:
-            ins = (postgresql.insert if self._dialect == "postgresql" else sqlite.insert)(Namespace).values(
-                name=name, fields=text, created_at=time.time()
-            )
+            ins = self._insert(Namespace).values(name=name, fields=text, created_at=time.time())
             return bool(conn.execute(ins.on_conflict_do_nothing(index_elements=[Namespace.name])).rowcount)
 
         return bool(await self._write(run))
@@ -279,7 +269,7 @@ class Index:
         """Record a part, create-only on (key, start); False if a part already starts there."""
 
         def run(conn: Connection) -> bool:
-            ins = (postgresql.insert if self._dialect == "postgresql" else sqlite.insert)(Part).values(
+            ins = self._insert(Part).values(
                 key=part.key,
                 start=part.start,
                 end=part.end,
@@ -340,7 +330,7 @@ class Index:
 
     async def adopt_many(self, records: Sequence[BlockRecord], *, chunk: int = 2000) -> None:
         """Upsert many rows at once (executemany, one transaction per chunk); used by reconcile."""
-        ins = (postgresql.insert if self._dialect == "postgresql" else sqlite.insert)(Block)
+        ins = self._insert(Block)
         stmt = ins.on_conflict_do_update(
             index_elements=[Block.key],
             set_={"size": ins.excluded.size, "digest": ins.excluded.digest, "created_at": ins.excluded.created_at},

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import httpx
@@ -22,47 +23,36 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class Gateway:
-    """``python -m app serve`` in a subprocess with its own data dir and environment."""
+class LoopbackProcess:
+    """A server subprocess on a loopback port: spawned with its output in a log file, polled until it answers."""
 
-    def __init__(self, data_dir: Path, *, env: Mapping[str, str] | None = None, port: int | None = None) -> None:
-        self.data_dir = data_dir
+    name = "server"
+
+    def __init__(self, *, port: int | None, log_path_for: Callable[[int], Path]) -> None:
         self.port = port or free_port()
-        self.extra_env = dict(env or {})
+        self.log_path = log_path_for(self.port)
         self.proc: subprocess.Popen[bytes] | None = None
-        self.log_path = data_dir.parent / f"gateway-{self.port}.log"
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, *, timeout_s: float = 30.0) -> Gateway:
-        env = {**os.environ, "PYTHONPATH": str(REPO), "KVGATE_LOG_LEVEL": "warning", **self.extra_env}
-        env.setdefault("KVGATE_DATA_DIR", str(self.data_dir))
-        log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "app", "serve", "--port", str(self.port)],
-            cwd=REPO,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        log.close()
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def _spawn(self, argv: list[str], *, env: Mapping[str, str], ready: Callable[[], bool], timeout_s: float) -> None:
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(argv, cwd=REPO, env=dict(env), stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"gateway exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if ready():
+                    return
             time.sleep(0.1)
         self.stop()
-        raise RuntimeError(f"gateway not ready after {timeout_s}s:\n{self.log()}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        raise RuntimeError(f"{self.name} not ready after {timeout_s}s:\n{self.log()}")
 
     def kill9(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -76,6 +66,28 @@ class Gateway:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.kill9()
+
+
+class Gateway(LoopbackProcess):
+    """``python -m app serve`` in a subprocess with its own data dir and environment."""
+
+    name = "gateway"
+
+    def __init__(self, data_dir: Path, *, env: Mapping[str, str] | None = None, port: int | None = None) -> None:
+        super().__init__(port=port, log_path_for=lambda p: data_dir.parent / f"gateway-{p}.log")
+        self.data_dir = data_dir
+        self.extra_env = dict(env or {})
+
+    def start(self, *, timeout_s: float = 30.0) -> Gateway:
+        env = {**os.environ, "PYTHONPATH": str(REPO), "KVGATE_LOG_LEVEL": "warning", **self.extra_env}
+        env.setdefault("KVGATE_DATA_DIR", str(self.data_dir))
+        self._spawn(
+            [sys.executable, "-m", "app", "serve", "--port", str(self.port)],
+            env=env,
+            ready=lambda: httpx.get(f"{self.url}/readyz", timeout=1.0).status_code == 200,
+            timeout_s=timeout_s,
+        )
+        return self
 
     def restart(self) -> Gateway:
         self.stop()

@@ -13,7 +13,6 @@ import glob
 import os
 import pwd
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.gateway import REPO, free_port
+from tests.gateway import LoopbackProcess, free_port
 
 S3_CREDS = {"access_key_id": "testing", "secret_access_key": "testing", "region": "us-east-1"}
 
@@ -53,51 +52,25 @@ def _wait_port(port: int, *, timeout_s: float, proc: subprocess.Popen[bytes] | N
 # -- moto ------------------------------------------------------------------------------------------------------
 
 
-class MotoServer:
+class MotoServer(LoopbackProcess):
     """``python -m moto.server`` on 127.0.0.1; can be killed and started again on the same port."""
 
-    def __init__(self, *, log_dir: Path, port: int | None = None) -> None:
-        self.port = port or free_port()
-        self.log_path = log_dir / f"moto-{self.port}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
+    name = "moto server"
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+    def __init__(self, *, log_dir: Path, port: int | None = None) -> None:
+        super().__init__(port=port, log_path_for=lambda p: log_dir / f"moto-{p}.log")
 
     def start(self) -> MotoServer:
         env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                cwd=REPO,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"moto exited with {self.proc.returncode}: {self.log_path.read_text()}")
-            with contextlib.suppress(httpx.HTTPError):
-                httpx.get(f"{self.url}/moto-api/", timeout=1.0)
-                return self
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError("moto server did not come up")
+        self._spawn(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            env=env,
+            ready=lambda: httpx.get(f"{self.url}/moto-api/", timeout=1.0) is not None,
+            timeout_s=30,
+        )
+        return self
 
-    def kill(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+    kill = LoopbackProcess.kill9
 
     def backend_env(self, *, bucket: str, prefix: str = "") -> dict[str, str]:
         """KVGATE_* variables that point a gateway at this server."""

@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 
 from tests.gateway import REPO, Gateway, free_port
+from tests.services import MotoServer
 
 MiB = 1024 * 1024
 BLOCK = 2 * MiB
@@ -114,36 +115,6 @@ http {{
                 self.proc.wait(5)
 
 
-class Moto:
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> Moto:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                httpx.get(self.url, timeout=1.0)
-                return self
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        raise RuntimeError("moto server did not come up")
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(10)
-
-
 def gateway_pids(gw: Gateway) -> list[int]:
     if gw.proc is None:
         raise RuntimeError("gateway is not running")
@@ -212,24 +183,15 @@ def main() -> None:
             ("kvgate-fs", gw.url, "kvgate", gateway_pids(gw)),
         ]
         if not args.no_s3:
-            if (REPO / "app" / "storage" / "s3.py").exists():
-                try:
-                    moto = Moto().start()
-                    started.append(moto)
-                    s3_env = {
-                        "KVGATE_BACKEND__KIND": "s3",
-                        "KVGATE_BACKEND__BUCKET": "kvgate-bench",
-                        "KVGATE_BACKEND__ENDPOINT_URL": moto.url,
-                        "KVGATE_BACKEND__ACCESS_KEY_ID": "testing",
-                        "KVGATE_BACKEND__SECRET_ACCESS_KEY": "testing",
-                    }
-                    gws3 = Gateway(work / "kvgate-s3" / "data", env=s3_env).start()
-                    started.append(gws3)
-                    targets.append(("kvgate-s3(moto)", gws3.url, "kvgate", gateway_pids(gws3)))
-                except RuntimeError as exc:
-                    notes.append(f"kvgate on S3 skipped: {str(exc)[:300]}")
-            else:
-                notes.append("kvgate on S3 skipped: app/storage/s3.py not present yet")
+            try:
+                moto = MotoServer(log_dir=work).start()
+                started.append(moto)
+                s3_env = moto.backend_env(bucket="kvgate-bench")
+                gws3 = Gateway(work / "kvgate-s3" / "data", env=s3_env).start()
+                started.append(gws3)
+                targets.append(("kvgate-s3(moto)", gws3.url, "kvgate", gateway_pids(gws3)))
+            except RuntimeError as exc:
+                notes.append(f"kvgate on S3 skipped: {str(exc)[:300]}")
         for c in args.concurrency:
             n = max(8, int(n_blocks.get(c, 128) * scale))
             for r in range(args.rounds):

@@ -17,6 +17,10 @@ class BlockNotFound(KVGateError):
         self.key = key
 
 
+class VersionMismatch(KVGateError):
+    """The stored object under a key is not the version its index row names (a write is replacing it)."""
+
+
 class NamespaceNotFound(KVGateError):
     def __init__(self, namespace: str) -> None:
         super().__init__(f"no namespace {namespace!r}")
@@ -51,6 +55,10 @@ class RangeNotSatisfiable(KVGateError):
     def __init__(self, message: str, *, size: int) -> None:
         super().__init__(message)
         self.size = size
+
+
+class LayoutMismatch(KVGateError):
+    """A block whose size is not the one its namespace's recorded layout gives (422; nothing is stored)."""
 
 
 class BackendUnavailable(KVGateError):

@@ -15,6 +15,8 @@ class ObjectMeta:
     size: int
     digest: str
     """Hex sha256 of the whole object."""
+    stamp: str | None = None
+    """The version these bytes were read from, where the store names versions (``digest``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,10 +24,28 @@ class ObjectInfo:
     key: str
     size: int
     mtime: float
+    stamp: str | None = None
+    """The version stamp of this copy of ``key`` (see ``Staged.stamp``); None for an unversioned object."""
+
+
+@dataclass(frozen=True, slots=True)
+class Staged:
+    """A block version written in full and checked, but not yet visible under its key.
+
+    ``stamp`` names this version in the store, and goes into the index row: the filesystem's is the file's
+    ``<inode>:<mtime_ns>`` (kept by the rename that publishes it), S3's the suffix of the object name that holds it.
+    A reader that opens ``key`` with the row's stamp gets that version or a ``VersionMismatch``, never another body.
+    """
+
+    key: str
+    meta: ObjectMeta
+    stamp: str
+    handle: object
+    """The store's own reference to the written bytes (a temp path, an object name, the bytes)."""
 
 
 class ObjectReader(Protocol):
-    """An open object: its size, and its bytes in ``[start, end)`` as chunks. Always used as a context manager."""
+    """An open object: its size, and its bytes in ``[start, end)`` as chunks; ``aclose`` releases it."""
 
     size: int
 
@@ -52,8 +72,22 @@ class BlockStore(Protocol):
         and no temporary data is left behind.
         """
 
-    async def open(self, key: str) -> ObjectReader:
-        """Open ``key`` for reading; BlockNotFound on a miss."""
+    async def open(self, key: str, *, stamp: str | None = None) -> ObjectReader:
+        """Open ``key`` for reading; BlockNotFound on a miss, VersionMismatch if it is not the version ``stamp``."""
+
+    async def stage(
+        self, key: str, body: AsyncIterable[bytes], *, size: int, expected_digest: str | None = None
+    ) -> Staged:
+        """Write and check a new version of block ``key`` without making it visible (``put``'s checks apply)."""
+
+    async def publish(self, staged: Staged) -> None:
+        """Make a staged version the one under its key (filesystem: the rename; S3: nothing, the row names it)."""
+
+    async def discard(self, staged: Staged) -> None:
+        """Drop a staged version that will never be published."""
+
+    async def remove(self, key: str, *, stamp: str | None) -> bool:
+        """Remove the version ``stamp`` of block ``key`` (None: the unversioned object); False if not there."""
 
     async def head(self, key: str) -> int | None:
         """The object's size, or None on a miss."""

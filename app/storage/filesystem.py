@@ -1,7 +1,9 @@
 """Blocks as files under a root directory, laid out exactly as vLLM's fs tier lays them out.
 
-A write goes to a unique hidden temp file in the target directory, is fsynced and then ``os.replace``d into
-place (and the directory fsynced), so a crash leaves the old state or the new one, never a torn block.
+A write goes to a unique hidden temp file in the target directory and is fsynced (``stage``); it is ``os.replace``d
+into place (and the directory fsynced) by ``publish``, which BlockService calls after the index row naming the new
+version committed. A crash leaves the old file or the new one, never a torn block; each file version is named by
+its stamp (inode and mtime), which the row records, so a file that is not the row's version is found by a stat.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from typing import TypeVar
 
 import anyio.to_thread
 
-from app.errors import BackendUnavailable, BlockNotFound, InsufficientStorage, InvalidRequest
-from app.storage.base import BodyChecker, ObjectInfo, ObjectMeta
+from app.errors import BackendUnavailable, BlockNotFound, InsufficientStorage, InvalidRequest, VersionMismatch
+from app.storage.base import BodyChecker, ObjectInfo, ObjectMeta, Staged
 
 TEMP_PREFIX = ".kvgate-tmp-"
 T = TypeVar("T")
@@ -38,6 +40,13 @@ async def _io(fn: Callable[..., T], *args: object, what: str) -> T:
         raise _translate(exc, what) from exc
 
 
+def stamp_of(st: os.stat_result) -> str:
+    """A file version's stamp: its inode and its mtime in ns. The rename that publishes a file keeps both, every
+    write makes a new inode (never written in place), and the old inode is not free for reuse while its file is
+    still the one under the key, so two versions of one key never share a stamp."""
+    return f"{st.st_ino}:{st.st_mtime_ns}"
+
+
 async def batched(body: AsyncIterable[bytes], *, chunk_bytes: int, max_pieces: int = 512) -> AsyncIterator[list[bytes]]:
     """Group network chunks into lists of at least ``chunk_bytes`` (at most ``max_pieces``, under IOV_MAX)."""
     pieces: list[bytes] = []
@@ -55,12 +64,13 @@ async def batched(body: AsyncIterable[bytes], *, chunk_bytes: int, max_pieces: i
 
 
 class FsReader:
-    __slots__ = ("_chunk", "_fd", "size")
+    __slots__ = ("_chunk", "_fd", "size", "stamp")
 
-    def __init__(self, fd: int, size: int, chunk_bytes: int) -> None:
+    def __init__(self, fd: int, size: int, chunk_bytes: int, stamp: str) -> None:
         self._fd = fd
         self.size = size
         self._chunk = chunk_bytes
+        self.stamp = stamp
 
     async def chunks(self, *, start: int, end: int) -> AsyncIterator[bytes]:
         pos = start
@@ -118,6 +128,18 @@ class FilesystemStore:
     async def put(
         self, key: str, body: AsyncIterable[bytes], *, size: int, expected_digest: str | None = None
     ) -> ObjectMeta:
+        staged = await self.stage(key, body, size=size, expected_digest=expected_digest)
+        try:
+            await self.publish(staged)
+        except BaseException:
+            await self.discard(staged)
+            raise
+        return staged.meta
+
+    async def stage(
+        self, key: str, body: AsyncIterable[bytes], *, size: int, expected_digest: str | None = None
+    ) -> Staged:
+        """Stream ``body`` into a unique hidden temp file beside the key's file, check it, fsync it; not renamed."""
         final = self.path_of(key)
         tmp = final.parent / f"{TEMP_PREFIX}{uuid.uuid4().hex}"
         checker = BodyChecker(size=size, expected_digest=expected_digest)
@@ -140,12 +162,47 @@ class FilesystemStore:
 
         fd = -1
 
-        def publish() -> None:
+        def seal() -> str:
             nonlocal fd
             if self._fsync:
                 os.fsync(fd)
+            st = os.fstat(fd)
             done, fd = fd, -1
             os.close(done)
+            return stamp_of(st)
+
+        def step(pieces: list[bytes], last: bool) -> Staged | None:
+            # one worker-thread hop per batch; a body that fits one batch is created, written and sealed in one
+            nonlocal fd
+            if fd < 0:
+                fd = create()
+            write(fd, pieces)
+            if not last:
+                return None
+            meta = checker.finish()
+            return Staged(key=key, meta=meta, stamp=seal(), handle=tmp)
+
+        try:
+            batches = aiter(batched(body, chunk_bytes=self._chunk))
+            pending = await anext(batches, None)
+            while True:
+                following = await anext(batches, None) if pending is not None else None
+                staged = await _io(step, pending or [], following is None, what="write")
+                if staged is not None:
+                    return staged
+                pending = following
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+
+    async def publish(self, staged: Staged) -> None:
+        """Rename the staged file over the key's file (atomic), then fsync the directory."""
+        tmp = Path(str(staged.handle))
+        final = self.path_of(staged.key)
+
+        def rename() -> None:
             os.replace(tmp, final)
             if self._fsync:
                 dfd = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY)
@@ -154,32 +211,14 @@ class FilesystemStore:
                 finally:
                     os.close(dfd)
 
-        def step(pieces: list[bytes], last: bool) -> ObjectMeta | None:
-            # one worker-thread hop per batch; a body that fits one batch is created, written and published in one
-            nonlocal fd
-            if fd < 0:
-                fd = create()
-            write(fd, pieces)
-            if not last:
-                return None
-            meta = checker.finish()
-            publish()
-            return meta
+        await _io(rename, what="publish")
 
-        try:
-            batches = aiter(batched(body, chunk_bytes=self._chunk))
-            pending = await anext(batches, None)
-            while True:
-                following = await anext(batches, None) if pending is not None else None
-                meta = await _io(step, pending or [], following is None, what="write")
-                if meta is not None:
-                    return meta
-                pending = following
-        except BaseException:
-            if fd >= 0:
-                os.close(fd)
-            tmp.unlink(missing_ok=True)
-            raise
+    async def discard(self, staged: Staged) -> None:
+        await _io(Path(str(staged.handle)).unlink, True, what="discard")
+
+    async def remove(self, key: str, *, stamp: str | None) -> bool:
+        """Unlink the key's file. One file per key: the caller (holding the key) removes whatever version is there."""
+        return await self.delete(key)
 
     async def delete(self, key: str) -> bool:
         path = self.path_of(key)
@@ -191,22 +230,27 @@ class FilesystemStore:
 
     # -- reads -----------------------------------------------------------------------------------------------
 
-    async def open(self, key: str) -> FsReader:
+    async def open(self, key: str, *, stamp: str | None = None) -> FsReader:
+        """Open the key's file; with ``stamp``, only if the open file is that version (the fd then pins it)."""
         path = self.path_of(key)
 
-        def do_open() -> tuple[int, int]:
+        def do_open() -> tuple[int, int, str]:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             try:
-                return fd, os.fstat(fd).st_size
+                st = os.fstat(fd)
+                return fd, st.st_size, stamp_of(st)
             except BaseException:
                 os.close(fd)
                 raise
 
         try:
-            fd, size = await _io(do_open, what="open")
+            fd, size, found = await _io(do_open, what="open")
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
             raise BlockNotFound(key) from exc
-        return FsReader(fd, size, self._chunk)
+        if stamp is not None and found != stamp:
+            os.close(fd)
+            raise VersionMismatch(f"{key!r} holds version {found}, the index names {stamp}")
+        return FsReader(fd, size, self._chunk, found)
 
     async def head(self, key: str) -> int | None:
         path = self.path_of(key)
@@ -222,7 +266,8 @@ class FilesystemStore:
             checker = BodyChecker(size=reader.size, expected_digest=None)
             async for chunk in reader.chunks(start=0, end=reader.size):
                 checker.update(chunk)
-            return checker.finish()
+            meta = checker.finish()
+            return ObjectMeta(size=meta.size, digest=meta.digest, stamp=reader.stamp)
         finally:
             await reader.aclose()
 
@@ -244,7 +289,8 @@ class FilesystemStore:
                         st = os.stat(os.path.join(dirpath, name))
                     except FileNotFoundError:
                         continue
-                    found.append(ObjectInfo(key=rel.replace(os.sep, "/"), size=st.st_size, mtime=st.st_mtime))
+                    key = rel.replace(os.sep, "/")
+                    found.append(ObjectInfo(key=key, size=st.st_size, mtime=st.st_mtime, stamp=stamp_of(st)))
             return found
 
         for info in await _io(walk, what="list"):

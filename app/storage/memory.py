@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import AsyncIterable, AsyncIterator
+from typing import cast
 
-from app.errors import BlockNotFound
-from app.storage.base import BodyChecker, ObjectInfo, ObjectMeta
+from app.errors import BlockNotFound, VersionMismatch
+from app.storage.base import BodyChecker, ObjectInfo, ObjectMeta, Staged
 
 
 class MemoryReader:
@@ -27,9 +29,12 @@ class MemoryReader:
 
 
 class MemoryStore:
+    """One object per key, each version stamped with a counter (``stage`` holds the bytes until ``publish``)."""
+
     def __init__(self, *, chunk_bytes: int = 4 * 1024 * 1024) -> None:
-        self._objects: dict[str, tuple[bytes, float]] = {}
+        self._objects: dict[str, tuple[bytes, float, str]] = {}
         self._chunk = chunk_bytes
+        self._versions = itertools.count(1)
 
     async def start(self) -> None:
         return None
@@ -49,14 +54,35 @@ class MemoryStore:
             checker.update(chunk)
             buf += chunk
         meta = checker.finish()
-        self._objects[key] = (bytes(buf), time.time())
+        self._objects[key] = (bytes(buf), time.time(), str(next(self._versions)))
         return meta
 
-    async def open(self, key: str) -> MemoryReader:
+    async def stage(
+        self, key: str, body: AsyncIterable[bytes], *, size: int, expected_digest: str | None = None
+    ) -> Staged:
+        checker = BodyChecker(size=size, expected_digest=expected_digest)
+        buf = bytearray()
+        async for chunk in body:
+            checker.update(chunk)
+            buf += chunk
+        return Staged(key=key, meta=checker.finish(), stamp=str(next(self._versions)), handle=bytes(buf))
+
+    async def publish(self, staged: Staged) -> None:
+        self._objects[staged.key] = (cast(bytes, staged.handle), time.time(), staged.stamp)
+
+    async def discard(self, staged: Staged) -> None:
+        return None
+
+    async def remove(self, key: str, *, stamp: str | None) -> bool:
+        return await self.delete(key)
+
+    async def open(self, key: str, *, stamp: str | None = None) -> MemoryReader:
         try:
-            data, _ = self._objects[key]
+            data, _, found = self._objects[key]
         except KeyError:
             raise BlockNotFound(key) from None
+        if stamp is not None and found != stamp:
+            raise VersionMismatch(f"{key!r} holds version {found}, the index names {stamp}")
         return MemoryReader(data, self._chunk)
 
     async def head(self, key: str) -> int | None:
@@ -67,14 +93,17 @@ class MemoryStore:
         return self._objects.pop(key, None) is not None
 
     async def digest(self, key: str) -> ObjectMeta:
-        reader = await self.open(key)
-        checker = BodyChecker(size=reader.size, expected_digest=None)
-        async for chunk in reader.chunks(start=0, end=reader.size):
-            checker.update(chunk)
-        return checker.finish()
+        entry = self._objects.get(key)
+        if entry is None:
+            raise BlockNotFound(key)
+        data, _, stamp = entry
+        checker = BodyChecker(size=len(data), expected_digest=None)
+        checker.update(data)
+        meta = checker.finish()
+        return ObjectMeta(size=meta.size, digest=meta.digest, stamp=stamp)
 
     async def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
         for key in sorted(self._objects):
             if key.startswith(prefix):
-                data, mtime = self._objects[key]
-                yield ObjectInfo(key=key, size=len(data), mtime=mtime)
+                data, mtime, stamp = self._objects[key]
+                yield ObjectInfo(key=key, size=len(data), mtime=mtime, stamp=stamp)

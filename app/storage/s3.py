@@ -1,5 +1,6 @@
 """Blocks as objects in an S3-compatible bucket (MinIO, Ceph RGW, AWS S3), through aioboto3.
 
+Each block version is its own object, ``<key>.v<stamp>`` (see VERSION_SEP); configs and part data keep plain names.
 A PUT at or under ``multipart_threshold_bytes`` is buffered, verified (size, sha256) and sent as one PutObject; a
 larger one streams as a multipart upload whose parts go up while the body arrives, is verified before
 CompleteMultipartUpload and aborted on any error, so nothing wrong is ever published: S3 makes an object visible
@@ -13,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
+import uuid
 from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any
 
@@ -23,7 +26,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from app.config import S3Backend
 from app.errors import BackendUnavailable, BlockNotFound, InsufficientStorage, InvalidRequest, KVGateError
-from app.storage.base import BodyChecker, ObjectInfo, ObjectMeta, coalesce
+from app.storage.base import BodyChecker, ObjectInfo, ObjectMeta, Staged, coalesce
 
 log = logging.getLogger("kvgate.storage.s3")
 
@@ -33,6 +36,11 @@ DIGEST_META = "sha256"
 _MISSING_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
 _NO_BUCKET_CODES = frozenset({"NoSuchBucket", "NotFound", "404"})
 _FULL_CODES = frozenset({"XMinioStorageFull", "InsufficientStorage"})
+VERSION_SEP = ".v"
+"""A block version's object is ``<key>.v<stamp>``: every PUT writes a new object, and the index row says which
+one is current, so two writers (on one gateway or several) never write the same object, and a reader that
+opened a version reads that version to the end."""
+_VERSIONED = re.compile(r"(.+\.bin)\.v([0-9a-f]{32})")
 _FOREIGN = (BotoCoreError, ClientError, aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
 
@@ -55,14 +63,20 @@ def _translate(exc: BaseException, what: str) -> KVGateError:
     return BackendUnavailable(f"s3 {what} failed: {type(exc).__name__}: {exc}")
 
 
+def split_version(name: str) -> tuple[str, str | None]:
+    """``<key>.v<32 hex>`` -> (key, stamp); any other name -> (name, None)."""
+    m = _VERSIONED.fullmatch(name)
+    return (m[1], m[2]) if m else (name, None)
+
+
 class S3Reader:
     """An object opened by HEAD; each ``chunks`` call is one ranged GetObject pinned to the ETag seen at open."""
 
     __slots__ = ("_etag", "_key", "_store", "size")
 
-    def __init__(self, store: S3Store, key: str, *, size: int, etag: str | None) -> None:
+    def __init__(self, store: S3Store, name: str, *, size: int, etag: str | None) -> None:
         self._store = store
-        self._key = key
+        self._key = name
         self._etag = etag
         self.size = size
 
@@ -77,6 +91,9 @@ class S3Reader:
 
 
 class S3Store:
+    versioned = True
+    """Each block version is its own object (BlockService removes a replaced one after the swap)."""
+
     def __init__(self, *, cfg: S3Backend, chunk_bytes: int = 4 * 1024 * 1024, list_page_size: int = 1000) -> None:
         self.cfg = cfg
         self._page_size = list_page_size
@@ -169,10 +186,44 @@ class S3Store:
 
     # -- writes ----------------------------------------------------------------------------------------------
 
+    def version_name(self, key: str, stamp: str | None) -> str:
+        """The object holding version ``stamp`` of block ``key`` (None: the unversioned object, e.g. imported)."""
+        return self.object_key(key) if stamp is None else f"{self.object_key(key)}{VERSION_SEP}{stamp}"
+
     async def put(
         self, key: str, body: AsyncIterable[bytes], *, size: int, expected_digest: str | None = None
     ) -> ObjectMeta:
-        name = self.object_key(key)
+        return await self._write(self.object_key(key), body, size=size, expected_digest=expected_digest)
+
+    async def stage(
+        self, key: str, body: AsyncIterable[bytes], *, size: int, expected_digest: str | None = None
+    ) -> Staged:
+        """Write the version under its own object name: visible to no reader until an index row names it."""
+        stamp = uuid.uuid4().hex
+        name = self.version_name(key, stamp)
+        meta = await self._write(name, body, size=size, expected_digest=expected_digest)
+        return Staged(key=key, meta=meta, stamp=stamp, handle=name)
+
+    async def publish(self, staged: Staged) -> None:
+        return None  # the committed row names the version's object: nothing to move
+
+    async def discard(self, staged: Staged) -> None:
+        await self._delete_name(str(staged.handle))
+
+    async def remove(self, key: str, *, stamp: str | None) -> bool:
+        await self._delete_name(self.version_name(key, stamp))
+        return True
+
+    async def _delete_name(self, name: str) -> None:
+        try:
+            await self.client.delete_object(Bucket=self.bucket, Key=name)
+        except _FOREIGN as exc:
+            if not _is_missing(exc):
+                raise _translate(exc, "delete") from exc
+
+    async def _write(
+        self, name: str, body: AsyncIterable[bytes], *, size: int, expected_digest: str | None
+    ) -> ObjectMeta:
         checker = BodyChecker(size=size, expected_digest=expected_digest)
         if size > self._threshold:
             return await self._put_multipart(name, body, checker)
@@ -276,18 +327,20 @@ class S3Store:
                 return None
             raise _translate(exc, "head") from exc
 
-    async def open(self, key: str) -> S3Reader:
-        head = await self._head(self.object_key(key))
+    async def open(self, key: str, *, stamp: str | None = None) -> S3Reader:
+        """Open the object holding version ``stamp`` of ``key`` (its own name: it never changes while it exists)."""
+        name = self.version_name(key, stamp)
+        head = await self._head(name)
         if head is None:
             raise BlockNotFound(key)
         etag = head.get("ETag")
-        return S3Reader(self, key, size=int(head["ContentLength"]), etag=str(etag) if etag else None)
+        return S3Reader(self, name, size=int(head["ContentLength"]), etag=str(etag) if etag else None)
 
-    async def read_range(self, key: str, *, start: int, end: int, etag: str | None) -> AsyncIterator[bytes]:
-        """The bytes ``[start, end)`` of ``key`` from one ranged GetObject, streamed."""
+    async def read_range(self, name: str, *, start: int, end: int, etag: str | None) -> AsyncIterator[bytes]:
+        """The bytes ``[start, end)`` of the object ``name`` from one ranged GetObject, streamed."""
         kwargs: dict[str, Any] = {
             "Bucket": self.bucket,
-            "Key": self.object_key(key),
+            "Key": name,
             "Range": f"bytes={start}-{end - 1}",
         }
         if etag:
@@ -296,7 +349,7 @@ class S3Store:
             resp = await self.client.get_object(**kwargs)
         except _FOREIGN as exc:
             if _is_missing(exc):
-                raise BlockNotFound(key) from exc
+                raise BlockNotFound(name.removeprefix(self.prefix)) from exc
             raise _translate(exc, "get") from exc
         received = 0
         async with resp["Body"] as stream:
@@ -326,7 +379,8 @@ class S3Store:
         if len(recorded) == 64:
             return ObjectMeta(size=size, digest=recorded)
         checker = BodyChecker(size=size, expected_digest=None)
-        async for chunk in S3Reader(self, key, size=size, etag=head.get("ETag")).chunks(start=0, end=size):
+        reader = S3Reader(self, self.object_key(key), size=size, etag=head.get("ETag"))
+        async for chunk in reader.chunks(start=0, end=size):
             checker.update(chunk)
         return checker.finish()
 
@@ -344,7 +398,5 @@ class S3Store:
             except _FOREIGN as exc:
                 raise _translate(exc, "list") from exc
             for obj in page.get("Contents", ()):
-                name = str(obj["Key"])
-                yield ObjectInfo(
-                    key=name[len(self.prefix) :], size=int(obj["Size"]), mtime=obj["LastModified"].timestamp()
-                )
+                key, stamp = split_version(str(obj["Key"])[len(self.prefix) :])
+                yield ObjectInfo(key=key, size=int(obj["Size"]), mtime=obj["LastModified"].timestamp(), stamp=stamp)

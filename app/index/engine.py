@@ -12,6 +12,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from app.errors import IndexUnavailable
 
 T = TypeVar("T")
+WRITE_OPTION = "kvgate_write"
+"""Execution option of the index's write connections (SQLite: BEGIN IMMEDIATE)."""
 
 
 def make_engine(url: str, *, sqlite_synchronous: str = "FULL", busy_timeout_s: float = 30.0) -> AsyncEngine:
@@ -26,6 +28,15 @@ def make_engine(url: str, *, sqlite_synchronous: str = "FULL", busy_timeout_s: f
             cur.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
             cur.execute("PRAGMA foreign_keys=ON")
             cur.close()
+            dbapi_conn.isolation_level = None  # transactions are begun below, not by the driver's guesswork
+
+        @event.listens_for(engine.sync_engine, "begin")
+        def _begin(conn: Any) -> None:
+            # A write transaction reads the row it replaces (Index.swap_block): IMMEDIATE takes the write lock
+            # before that read, so another process's writer cannot slip in between (the driver's default begins
+            # only at the first INSERT, after the read).
+            immediate = conn.get_execution_options().get(WRITE_OPTION)
+            conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
         return engine
     return create_async_engine(url, pool_size=10, max_overflow=10, pool_pre_ping=True)

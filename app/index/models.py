@@ -28,6 +28,8 @@ class Block(Base):
     created_at: Mapped[float] = mapped_column(Float)
     last_access: Mapped[float] = mapped_column(Float)
     hits: Mapped[int] = mapped_column(BigInteger, default=0)
+    stamp: Mapped[str | None] = mapped_column(String(80), nullable=True)
+    """The stored version this row describes (app.storage.base.Staged.stamp); NULL for rows older than 0003."""
 
     __table_args__ = (Index("ix_blocks_last_access", "last_access"),)
 

@@ -17,6 +17,18 @@ class BlockRecord:
     created_at: float
     last_access: float
     hits: int
+    stamp: str | None = None
+    """The stored version the row describes (None: a row written before versions were recorded)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Swap:
+    """What ``Index.swap_block`` found and did, in one transaction."""
+
+    old: BlockRecord | None
+    """The row before (None: the key was absent)."""
+    written: bool
+    """False when nothing changed: create-only on a present key, or the row already held the same bytes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +64,7 @@ class Candidate:
     namespace: str
     size: int
     created_at: float
+    stamp: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,4 +85,5 @@ def block_record(row: Any) -> BlockRecord:
         created_at=row.created_at,
         last_access=row.last_access,
         hits=row.hits,
+        stamp=row.stamp,
     )

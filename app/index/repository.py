@@ -15,12 +15,12 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
-from sqlalchemy import Connection, and_, bindparam, case, delete, false, func, select, update
+from sqlalchemy import Connection, bindparam, case, delete, false, func, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.errors import IndexUnavailable
-from app.index.engine import guard
+from app.index.engine import WRITE_OPTION, guard
 from app.index.models import Block, Namespace, Part
 from app.index.records import (
     BlockRecord,
@@ -28,6 +28,7 @@ from app.index.records import (
     NamespaceRecord,
     NamespaceUsage,
     PartRecord,
+    Swap,
     block_record,
 )
 
@@ -93,8 +94,10 @@ class Index:
             return [op(conn) for op, _ in batch]
 
         try:
-            async with self.engine.begin() as conn:
-                results = await conn.run_sync(run_all)
+            async with self.engine.connect() as conn:
+                await conn.execution_options(**{WRITE_OPTION: True})
+                async with conn.begin():
+                    results = await conn.run_sync(run_all)
         except Exception as exc:
             if len(batch) > 1:  # isolate the failing op: the rest still commit
                 for item in batch:
@@ -125,27 +128,86 @@ class Index:
             set_={
                 "size": ins.excluded.size,
                 "digest": ins.excluded.digest,
+                "stamp": ins.excluded.stamp,
                 "created_at": ins.excluded.created_at,
                 "last_access": ins.excluded.last_access,
+                "hits": ins.excluded.hits,
             },
         )
 
-    async def upsert_block(self, *, key: str, namespace: str, rank: int, group: int, size: int, digest: str) -> None:
-        """Record a stored block; returns once the row is committed."""
-        now = time.time()
-        values = {
-            "key": key,
-            "namespace": namespace,
-            "rank": rank,
-            "grp": group,
-            "size": size,
-            "digest": digest,
-            "created_at": now,
-            "last_access": now,
-            "hits": 0,
+    def _lock_key(self, conn: Connection, key: str) -> None:
+        """Hold ``key`` for the rest of the transaction against other gateways (PostgreSQL); SQLite has one writer."""
+        if self._dialect == "postgresql":
+            conn.execute(text("SELECT pg_advisory_xact_lock(hashtextextended(:k, 0))"), {"k": key})
+
+    def _current(self, conn: Connection, key: str) -> BlockRecord | None:
+        row = conn.execute(self._get_bound, {"key": key}).first()
+        return None if row is None else block_record(row)
+
+    @staticmethod
+    def _values(record: BlockRecord) -> dict[str, Any]:
+        return {
+            "key": record.key,
+            "namespace": record.namespace,
+            "rank": record.rank,
+            "grp": record.group,
+            "size": record.size,
+            "digest": record.digest,
+            "stamp": record.stamp,
+            "created_at": record.created_at,
+            "last_access": record.last_access,
+            "hits": record.hits,
         }
-        stmt = self._upsert_bound
-        await self._write(lambda conn: conn.execute(stmt, values))
+
+    async def swap_block(self, record: BlockRecord, *, create_only: bool) -> Swap:
+        """Make ``record`` the row of its key, in one transaction that reads the row it replaces (the key held).
+
+        Nothing is written when ``create_only`` and a row exists, or when the row already holds the same bytes
+        (same digest and size): ``Swap.written`` says which, ``Swap.old`` is the row found.
+        """
+        values = self._values(record)
+
+        def run(conn: Connection) -> Swap:
+            self._lock_key(conn, record.key)
+            old = self._current(conn, record.key)
+            if old is not None and (create_only or (old.digest == record.digest and old.size == record.size)):
+                return Swap(old=old, written=False)
+            conn.execute(self._upsert_bound, values)
+            return Swap(old=old, written=True)
+
+        swap: Swap = await self._write(run)
+        return swap
+
+    async def restore_block(self, *, key: str, stamp: str, old: BlockRecord | None) -> bool:
+        """Undo a swap whose version could not be published: put ``old`` back if the row still names ``stamp``."""
+
+        def run(conn: Connection) -> bool:
+            self._lock_key(conn, key)
+            current = self._current(conn, key)
+            if current is None or current.stamp != stamp:
+                return False
+            if old is None:
+                conn.execute(delete(Block).where(Block.key == key))
+            else:
+                conn.execute(self._upsert_bound, self._values(old))
+            return True
+
+        return bool(await self._write(run))
+
+    async def remove_block(self, key: str, *, stamp: str | None = None, any_version: bool = True) -> BlockRecord | None:
+        """Delete the row of ``key`` (only if it names ``stamp`` unless ``any_version``); the row deleted, or None."""
+
+        def run(conn: Connection) -> BlockRecord | None:
+            self._lock_key(conn, key)
+            current = self._current(conn, key)
+            if current is None or (not any_version and current.stamp != stamp):
+                return None
+            conn.execute(delete(Block).where(Block.key == key))
+            return current
+
+        self._access.pop(key, None)
+        removed: BlockRecord | None = await self._write(run)
+        return removed
 
     async def delete_blocks(self, keys: Iterable[str]) -> int:
         keys = list(keys)
@@ -303,6 +365,16 @@ class Index:
 
         return int(await self._write(run))
 
+    async def part_bytes(self) -> dict[str, int]:
+        """Bytes of stored parts of incomplete objects, by object key (capacity counts them)."""
+
+        async def q() -> dict[str, int]:
+            stmt = select(Part.key, func.sum(Part.end - Part.start)).group_by(Part.key)
+            async with self.engine.connect() as conn:
+                return {r[0]: int(r[1]) for r in await conn.execute(stmt)}
+
+        return await guard(q(), "read")
+
     async def parts_summary(self) -> dict[str, tuple[float, list[str]]]:
         """Every incomplete object: key -> (oldest part's created_at, its parts' store keys)."""
 
@@ -319,12 +391,13 @@ class Index:
 
     # -- capacity, reconcile and admin ----------------------------------------------------------------------
 
-    async def block_sizes(self) -> dict[str, int]:
-        """Every block row's key and size (reconcile compares them with the store's listing)."""
+    async def block_versions(self) -> dict[str, tuple[int, str | None]]:
+        """Every block row's key -> (size, stamp) (reconcile compares them with the store's listing)."""
 
-        async def q() -> dict[str, int]:
+        async def q() -> dict[str, tuple[int, str | None]]:
             async with self.engine.connect() as conn:
-                return {r.key: int(r.size) for r in await conn.execute(select(Block.key, Block.size))}
+                rows = await conn.execute(select(Block.key, Block.size, Block.stamp))
+                return {r.key: (int(r.size), r.stamp) for r in rows}
 
         return await guard(q(), "scan")
 
@@ -333,22 +406,14 @@ class Index:
         ins = self._insert(Block)
         stmt = ins.on_conflict_do_update(
             index_elements=[Block.key],
-            set_={"size": ins.excluded.size, "digest": ins.excluded.digest, "created_at": ins.excluded.created_at},
+            set_={
+                "size": ins.excluded.size,
+                "digest": ins.excluded.digest,
+                "stamp": ins.excluded.stamp,
+                "created_at": ins.excluded.created_at,
+            },
         )
-        rows = [
-            {
-                "key": r.key,
-                "namespace": r.namespace,
-                "rank": r.rank,
-                "grp": r.group,
-                "size": r.size,
-                "digest": r.digest,
-                "created_at": r.created_at,
-                "last_access": r.last_access,
-                "hits": r.hits,
-            }
-            for r in records
-        ]
+        rows = [self._values(r) for r in records]
 
         def run(part: list[dict[str, Any]]) -> SyncOp:
             return lambda conn: conn.execute(stmt, part)
@@ -356,39 +421,35 @@ class Index:
         for start in range(0, len(rows), chunk):
             await self._write(run(rows[start : start + chunk]))
 
+    async def set_stamps(self, stamps: dict[str, str]) -> None:
+        """Record the stamp of rows written before stamps were (they were trusted on size, as they are now)."""
+        if not stamps:
+            return
+        stmt = update(Block).where(Block.key == bindparam("k"), Block.stamp.is_(None)).values(stamp=bindparam("s"))
+        params = [{"k": k, "s": s} for k, s in stamps.items()]
+        await self._write(lambda conn: conn.execute(stmt.execution_options(synchronize_session=False), params))
+
     async def lru_candidates(self, *, limit: int, namespace: str | None = None) -> list[Candidate]:
         """The ``limit`` least recently used blocks (last access, then creation time, then key)."""
 
         async def q() -> list[Candidate]:
-            stmt = select(Block.key, Block.namespace, Block.size, Block.created_at)
+            stmt = select(Block.key, Block.namespace, Block.size, Block.created_at, Block.stamp)
             if namespace is not None:
                 stmt = stmt.where(Block.namespace == namespace)
             stmt = stmt.order_by(Block.last_access, Block.created_at, Block.key).limit(limit)
             async with self.engine.connect() as conn:
                 return [
-                    Candidate(key=r.key, namespace=r.namespace, size=int(r.size), created_at=float(r.created_at))
+                    Candidate(
+                        key=r.key,
+                        namespace=r.namespace,
+                        size=int(r.size),
+                        created_at=float(r.created_at),
+                        stamp=r.stamp,
+                    )
                     for r in await conn.execute(stmt)
                 ]
 
         return await guard(q(), "read")
-
-    async def delete_if_unchanged(self, items: Sequence[Candidate]) -> list[Candidate]:
-        """Delete each row unless it was rewritten since it was read (its created_at moved); the deleted ones."""
-        if not items:
-            return []
-
-        def run(conn: Connection) -> list[Candidate]:
-            gone: list[Candidate] = []
-            for c in items:
-                cond = and_(Block.key == c.key, Block.created_at == c.created_at)
-                if conn.execute(delete(Block).where(cond)).rowcount:
-                    gone.append(c)
-            return gone
-
-        for c in items:
-            self._access.pop(c.key, None)
-        result: list[Candidate] = await self._write(run)
-        return result
 
     async def namespace_usage(self, namespace: str | None = None) -> list[NamespaceUsage]:
         """Per-namespace aggregates of the block rows (one GROUP BY), ordered by name."""

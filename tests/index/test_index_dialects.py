@@ -6,6 +6,7 @@ import asyncio
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import func, inspect, select, text
@@ -38,6 +39,28 @@ async def index(db_url: str) -> AsyncIterator[Index]:
 
 def key(i: int, ns: str = NS) -> str:
     return f"{ns}_r0/000/00_g0/{i:064x}.bin"
+
+
+def row(
+    *, key: str, size: int, digest: str, namespace: str = NS, rank: int = 0, group: int = 0, stamp: str | None = None
+) -> BlockRecord:
+    return BlockRecord(
+        key=key,
+        namespace=namespace,
+        rank=rank,
+        group=group,
+        size=size,
+        digest=digest,
+        created_at=1.0,
+        last_access=1.0,
+        hits=0,
+        stamp=stamp,
+    )
+
+
+async def put_row(index: Index, **fields: Any) -> None:
+    """Make a row the key's (as BlockService's commit does)."""
+    await index.swap_block(row(**fields), create_only=False)
 
 
 async def test_migration_creates_schema(db_url: str) -> None:
@@ -77,7 +100,7 @@ async def test_concurrent_migrations(db_url: str) -> None:
 
 async def test_upsert_get_overwrite(index: Index) -> None:
     assert await index.get(key(1)) is None
-    await index.upsert_block(key=key(1), namespace=NS, rank=0, group=0, size=100, digest="a" * 64)
+    await put_row(index, key=key(1), namespace=NS, rank=0, group=0, size=100, digest="a" * 64)
     rec = await index.get(key(1))
     assert rec is not None
     assert (rec.key, rec.namespace, rec.rank, rec.group, rec.size, rec.digest, rec.hits) == (
@@ -89,7 +112,7 @@ async def test_upsert_get_overwrite(index: Index) -> None:
         "a" * 64,
         0,
     )
-    await index.upsert_block(key=key(1), namespace=NS, rank=0, group=0, size=250, digest="b" * 64)
+    await put_row(index, key=key(1), namespace=NS, rank=0, group=0, size=250, digest="b" * 64)
     rec2 = await index.get(key(1))
     assert rec2 is not None and (rec2.size, rec2.digest) == (250, "b" * 64)
     assert await index.usage() == (1, 250)
@@ -97,14 +120,14 @@ async def test_upsert_get_overwrite(index: Index) -> None:
 
 async def test_large_values(index: Index) -> None:
     """BigInteger columns: sizes past 2**31 and a group id using all 32 bits."""
-    await index.upsert_block(key=key(2), namespace=NS, rank=7, group=2**32 - 1, size=5 * 2**30, digest="c" * 64)
+    await put_row(index, key=key(2), namespace=NS, rank=7, group=2**32 - 1, size=5 * 2**30, digest="c" * 64)
     rec = await index.get(key(2))
     assert rec is not None and (rec.rank, rec.group, rec.size) == (7, 2**32 - 1, 5 * 2**30)
 
 
 async def test_concurrent_upserts_group_commit(index: Index) -> None:
     await asyncio.gather(
-        *(index.upsert_block(key=key(i), namespace=NS, rank=0, group=0, size=i, digest=f"{i:064x}") for i in range(300))
+        *(put_row(index, key=key(i), namespace=NS, rank=0, group=0, size=i, digest=f"{i:064x}") for i in range(300))
     )
     assert await index.usage() == (300, sum(range(300)))
 
@@ -127,7 +150,7 @@ async def test_get_many_in_order_and_over_batch(index: Index) -> None:
 
 async def test_delete(index: Index) -> None:
     for i in range(3):
-        await index.upsert_block(key=key(i), namespace=NS, rank=0, group=0, size=10, digest="e" * 64)
+        await put_row(index, key=key(i), namespace=NS, rank=0, group=0, size=10, digest="e" * 64)
     assert await index.delete_blocks([key(0), key(1), key(99)]) == 2
     assert await index.delete_blocks([]) == 0
     assert await index.get(key(0)) is None
@@ -149,8 +172,8 @@ async def test_namespaces(index: Index) -> None:
 
 
 async def test_access_flush(index: Index) -> None:
-    await index.upsert_block(key=key(5), namespace=NS, rank=0, group=0, size=1, digest="f" * 64)
-    await index.upsert_block(key=key(6), namespace=NS, rank=0, group=0, size=1, digest="f" * 64)
+    await put_row(index, key=key(5), namespace=NS, rank=0, group=0, size=1, digest="f" * 64)
+    await put_row(index, key=key(6), namespace=NS, rank=0, group=0, size=1, digest="f" * 64)
     before = await index.get(key(5))
     assert before is not None
     for _ in range(3):
@@ -174,7 +197,7 @@ async def test_two_indexes_share_one_database(db_url: str) -> None:
     await a.start()
     await b.start()
     try:
-        await a.upsert_block(key=key(7), namespace=NS, rank=0, group=0, size=42, digest="1" * 64)
+        await put_row(a, key=key(7), namespace=NS, rank=0, group=0, size=42, digest="1" * 64)
         rec = await b.get(key(7))
         assert rec is not None and rec.size == 42
         b.touch(key(7))
@@ -190,9 +213,65 @@ async def test_two_indexes_share_one_database(db_url: str) -> None:
 
 
 async def test_run_read(index: Index) -> None:
-    await index.upsert_block(key=key(8), namespace=NS, rank=0, group=0, size=9, digest="2" * 64)
+    await put_row(index, key=key(8), namespace=NS, rank=0, group=0, size=9, digest="2" * 64)
 
     async def count(conn: object) -> int:
         return int((await conn.execute(select(func.count()).select_from(Block))).scalar_one())  # type: ignore[attr-defined]
 
     assert await index.run_read(count) == 1
+
+
+async def test_swap_block_reads_what_it_replaces(index: Index) -> None:
+    first = await index.swap_block(row(key=key(20), size=5, digest="a" * 64, stamp="s1"), create_only=False)
+    assert first.old is None and first.written
+    again = await index.swap_block(row(key=key(20), size=6, digest="b" * 64, stamp="s2"), create_only=True)
+    assert not again.written and again.old is not None and again.old.stamp == "s1"  # create-only: present
+    same = await index.swap_block(row(key=key(20), size=5, digest="a" * 64, stamp="s3"), create_only=False)
+    assert not same.written  # the same bytes: nothing to change
+    swap = await index.swap_block(row(key=key(20), size=6, digest="b" * 64, stamp="s2"), create_only=False)
+    assert swap.written and swap.old is not None and (swap.old.digest, swap.old.stamp) == ("a" * 64, "s1")
+    # restore only while the row still names the version being undone
+    assert not await index.restore_block(key=key(20), stamp="other", old=swap.old)
+    assert await index.restore_block(key=key(20), stamp="s2", old=swap.old)
+    rec = await index.get(key(20))
+    assert rec is not None and (rec.size, rec.digest, rec.stamp) == (5, "a" * 64, "s1")
+    # removal of one version only
+    assert await index.remove_block(key(20), stamp="s2", any_version=False) is None
+    gone = await index.remove_block(key(20), stamp="s1", any_version=False)
+    assert gone is not None and gone.digest == "a" * 64
+    assert await index.get(key(20)) is None and await index.remove_block(key(20)) is None
+
+
+async def test_create_only_has_one_winner_across_two_indexes(db_url: str) -> None:
+    """Two gateways' indexes over one database: concurrent create-only swaps of a key, exactly one is written."""
+    await upgrade_head(db_url)
+    a, b = Index(make_engine(db_url)), Index(make_engine(db_url))
+    await a.start()
+    await b.start()
+    try:
+        for i in range(20):
+            k = key(1000 + i)
+            swaps = await asyncio.gather(
+                *(
+                    idx.swap_block(row(key=k, size=w, digest=f"{w:064x}", stamp=str(w)), create_only=True)
+                    for w, idx in enumerate([a, b] * 4)
+                )
+            )
+            assert sum(s.written for s in swaps) == 1
+            rec = await a.get(k)
+            winner = next(w for w, s in enumerate(swaps) if s.written)
+            assert rec is not None and rec.stamp == str(winner)
+            # and each overwrite saw exactly the row it replaced: the stamps form one chain
+            olds = await asyncio.gather(
+                *(
+                    idx.swap_block(row(key=k, size=100 + w, digest=f"{100 + w:064x}", stamp=f"o{w}"), create_only=False)
+                    for w, idx in enumerate([a, b] * 4)
+                )
+            )
+            seen = sorted(str(s.old.stamp) for s in olds if s.old is not None)
+            final = await a.get(k)
+            assert final is not None
+            assert sorted([str(winner), *(f"o{w}" for w in range(8))]) == sorted([*seen, str(final.stamp)])
+    finally:
+        await a.close()
+        await b.close()

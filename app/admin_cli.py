@@ -120,7 +120,9 @@ async def _gc(
     from app.config import Settings
     from app.index import Index, make_engine
     from app.index.migrate import upgrade_head
+    from app.keystate import MetaCache
     from app.reconcile import reconcile
+    from app.service import BlockService
     from app.storage import build_store
 
     overrides: dict[str, Any] = {"data_dir": data_dir, "db_url": db_url}
@@ -138,9 +140,9 @@ async def _gc(
         progress.update(tasks[phase], completed=done if total else 1, total=max(total, 1))
 
     try:
+        service = BlockService(store=store, index=index, cache=MetaCache(entries=0, ttl_s=None))
         return await reconcile(
-            store=store,
-            index=index,
+            service=service,
             concurrency=cfg.reconcile_concurrency,
             temp_older_than_s=temp_older_than_s,
             stale_parts_s=stale_parts_s,

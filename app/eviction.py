@@ -1,19 +1,11 @@
-"""Capacity: usage accounting, admission of PUTs (507) and LRU eviction between two watermarks.
+"""Capacity: usage accounting, admission of PUTs (507) and LRU eviction between two watermarks. Policy only:
+what to evict and when to refuse. Removing a block is BlockService's (``evict``: under the key's lock, the row
+only if it still names the version chosen, then the data), so eviction never removes a version a PUT is writing.
 
-Usage is an in-process running total of (blocks, bytes), overall and per namespace, loaded from the index at
-start-up (after reconcile), adjusted on every put/delete/eviction and re-read from the index periodically (the
-index is the truth; the total only keeps the request path free of aggregate queries).
-
-Eviction order is **data first, then the row**, and the row is deleted only if it was not rewritten meanwhile
-(its ``created_at`` is unchanged):
-
-- a crash between the two leaves a row without data, which the next reconcile drops: the eviction completes.
-  The other order would leave data without a row, which reconcile *adopts*: the eviction would be undone;
-- a GET already streaming keeps its open file descriptor, which reads on after the unlink (S3 streams an object
-  that is deleted mid-read to the end too); a GET that opens after the unlink is a clean 404 miss;
-- a block that a PUT is writing is never a candidate (BlockService.writing), and if a PUT slips in between the
-  choice and the unlink, the row check sees the new ``created_at``, keeps the row and repairs the rare case
-  where the new data was unlinked (the row goes too: a miss, never a wrong answer).
+Usage is an in-process running total of (blocks, bytes), overall and per namespace: block rows plus the stored
+parts of incomplete multi-part objects. It is loaded from the index at start-up (after reconcile) and moved by
+BlockService with the exact delta of every committed change (``changed``), so it equals the sum of the rows at
+every moment. With several gateways sharing one index it is re-read periodically, when no change is in flight.
 
 Candidates are least recently used by the index's ``last_access`` (created_at, then key as tie-breaks); pending
 touches are flushed first so that reads in the last flush interval count. HEAD and lookup do not touch.
@@ -32,6 +24,7 @@ from app.config import Settings
 from app.errors import InsufficientStorage, KVGateError
 from app.index import Candidate, NamespaceUsage
 from app.service import BlockService
+from connector.protocol import InvalidKey, parse_block_key
 
 log = logging.getLogger("kvgate.eviction")
 
@@ -89,10 +82,20 @@ class Capacity:
 
     # -- lifecycle -------------------------------------------------------------------------------------------
 
-    async def load(self) -> None:
-        """Re-read usage from the index (exact: the index is the truth)."""
-        self.usage.reset(await self.service.index.namespace_usage())
+    async def load(self) -> bool:
+        """Re-read usage from the index (block rows and stored parts); False if a change committed meanwhile."""
+        svc = self.service
+        epoch = svc.cache.epoch
+        rows = await svc.index.namespace_usage()
+        parts = await svc.index.part_bytes()
+        if svc.changing or svc.cache.epoch != epoch:
+            return False
+        self.usage.reset(rows)
+        for key, nbytes in parts.items():
+            with contextlib.suppress(InvalidKey):
+                self.usage.add(namespace=parse_block_key(key).namespace, blocks=0, nbytes=nbytes)
         self._synced_at = time.monotonic()
+        return True
 
     async def start(self) -> None:
         await self.load()
@@ -136,16 +139,10 @@ class Capacity:
         else:
             self.reserved_by_ns.pop(namespace, None)
 
-    def stored(self, *, namespace: str, size: int, replaced: int | None) -> None:
-        if replaced is None:
-            self.usage.add(namespace=namespace, blocks=1, nbytes=size)
-        else:
-            self.usage.add(namespace=namespace, blocks=0, nbytes=size - replaced)
-        if self._over(namespace):
+    def changed(self, *, namespace: str, blocks: int, nbytes: int) -> None:
+        self.usage.add(namespace=namespace, blocks=blocks, nbytes=nbytes)
+        if nbytes > 0 and self._over(namespace):
             self._kick.set()  # evict now, not at the next interval
-
-    def removed(self, *, namespace: str, size: int) -> None:
-        self.usage.add(namespace=namespace, blocks=-1, nbytes=-size)
 
     # -- policy ----------------------------------------------------------------------------------------------
 
@@ -186,8 +183,6 @@ class Capacity:
                 for c in candidates:
                     if projected <= target_bytes:
                         break
-                    if c.key in self.service.writing:
-                        continue
                     chosen.append(c)
                     projected -= c.size
                 if not chosen:
@@ -201,44 +196,10 @@ class Capacity:
         return evicted
 
     async def _remove(self, chosen: list[Candidate]) -> int:
-        store, index, cache, writing = (
-            self.service.store,
-            self.service.index,
-            self.service.cache,
-            self.service.writing,
-        )
-        sem = asyncio.Semaphore(DELETE_CONCURRENCY)
-
-        async def unlink(c: Candidate) -> bool:
-            async with sem:
-                if c.key in writing:  # a PUT started since the choice: leave it alone
-                    return False
-                cache.drop(c.key)
-                await store.delete(c.key)
-                return True
-
-        unlinked = await asyncio.gather(*(unlink(c) for c in chosen))
-        targets = [c for c, ok in zip(chosen, unlinked, strict=True) if ok]
-        gone = await index.delete_if_unchanged(targets)
-        for c in gone:
-            cache.drop(c.key)  # a HEAD may have cached it between the unlink and the row delete
-            self.usage.add(namespace=c.namespace, blocks=-1, nbytes=-c.size)
-            self.evictions += 1
-            self.evicted_bytes += c.size
-        kept = {c.key for c in targets} - {c.key for c in gone}
-        for key in kept:
-            await self._repair(key)
+        gone = await self.service.evict(chosen)
+        self.evictions += len(gone)
+        self.evicted_bytes += sum(c.size for c in gone)
         return len(gone)
-
-    async def _repair(self, key: str) -> None:
-        """A row rewritten during eviction: if its new data was unlinked too, drop the row (a miss, not a lie)."""
-        if key in self.service.writing or await self.service.store.head(key) is not None:
-            return
-        record = await self.service.index.get(key)
-        if record is not None and await self.service.index.delete_blocks([key]):
-            self.service.cache.drop(key)
-            self.usage.add(namespace=record.namespace, blocks=-1, nbytes=-record.size)
-            log.warning("eviction raced a rewrite key=%s: row dropped", key)
 
     # -- the background task ---------------------------------------------------------------------------------
 
@@ -249,7 +210,7 @@ class Capacity:
             self._kick.clear()
             try:
                 await self.enforce()
-                if time.monotonic() - self._synced_at > self.resync_s and not self.service.writing:
+                if time.monotonic() - self._synced_at > self.resync_s and not self.service.changing:
                     async with self._lock:
                         await self.load()
             except KVGateError as exc:

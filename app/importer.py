@@ -27,7 +27,8 @@ from app.config import FsBackend, Settings
 from app.errors import KVGateError
 from app.index import Index, make_engine
 from app.index.migrate import upgrade_head
-from app.service import BlockService, MetaCache
+from app.keystate import MetaCache
+from app.service import BlockService
 from app.storage import build_store
 from connector.protocol import InvalidKey, parse_block_key, parse_config_key
 
@@ -149,16 +150,7 @@ class Importer:
             self.report.already_indexed += 1
             return
         if self.in_place:
-            meta = await self.service.store.digest(key.path)
-            await self.service.index.upsert_block(
-                key=key.path,
-                namespace=key.namespace,
-                rank=key.rank,
-                group=key.group,
-                size=meta.size,
-                digest=meta.digest,
-            )
-            self.service.cache.drop(key.path)
+            await self.service.adopt(key)
         else:
             await self.service.put(key, _file_chunks(self.source / rel), size=size, digest=None, create_only=False)
         self.report.blocks += 1

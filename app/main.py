@@ -15,8 +15,9 @@ from app.config import Settings
 from app.eviction import Capacity
 from app.index import Index, make_engine
 from app.index.migrate import upgrade_head
+from app.keystate import MetaCache
 from app.reconcile import reconcile
-from app.service import BlockService, MetaCache
+from app.service import BlockService
 from app.storage import build_store
 
 log = logging.getLogger("kvgate")
@@ -49,7 +50,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             store=store, index=index, cache=MetaCache(entries=cfg.meta_cache_entries, ttl_s=cfg.meta_cache_ttl_s)
         )
         if cfg.reconcile_on_start:
-            await reconcile(store=store, index=index, concurrency=cfg.reconcile_concurrency)
+            await reconcile(service=svc, concurrency=cfg.reconcile_concurrency)
         capacity = Capacity(service=svc, settings=cfg)
         await capacity.start()
         svc.capacity = capacity
@@ -61,6 +62,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             yield
         finally:
             await capacity.close()
+            await svc.close()
             await index.close()
             await store.close()
 

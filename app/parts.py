@@ -4,30 +4,31 @@ A part's bytes go to the store under ``_parts/<key>/<start>-<end>.<uuid>`` (a ke
 produce: block namespaces never start with ``_parts/``), and a row goes to the ``parts`` table, create-only on
 ``(key, start)``. The object stays invisible (no ``blocks`` row: HEAD/GET 404, lookup miss) until the parts cover
 ``[0, total)``; the PUT that completes the cover assembles the object by streaming the parts, in order, through
-the store's ordinary atomic ``put`` (which computes the digest), records the block row, then drops the parts.
+a staged version (which computes the digest), commits it through BlockService (row, then rename), then drops
+the parts. Stored part bytes count against capacity until then.
 
 Concurrency: part data is written outside any lock (each write has its own store key, so two writers never
-clobber each other); the bookkeeping and the assembly run under a per-key asyncio lock. Across gateway replicas
+clobber each other); the bookkeeping and the assembly run under BlockService's lock of the key. Across gateway replicas
 sharing one index a second assembler produces the same bytes (the concatenation is deterministic), and one
 that finds the parts gone while reading checks that the object was published by the other.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import re
 import uuid
-import weakref
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from app.errors import BlockNotFound, Conflict, DigestMismatch, InvalidRequest, RangeNotSatisfiable
 from app.index import Index, PartRecord
+from app.keystate import KeyLocks
 from app.storage import BlockStore
-from app.storage.base import BodyChecker
-from connector.protocol import BlockKey
+from app.storage.base import BodyChecker, Staged
+from connector.protocol import BlockKey, InvalidKey, parse_block_key
 
 log = logging.getLogger("kvgate.parts")
 
@@ -98,18 +99,29 @@ def covers(parts: list[PartRecord], total: int) -> bool:
     return pos == total
 
 
+class Commit(Protocol):
+    """BlockService's commit of a staged version, called with the key's lock held."""
+
+    async def __call__(self, key: BlockKey, staged: Staged, *, create_only: bool) -> Any: ...
+
+
 class PartAssembler:
-    def __init__(self, *, store: BlockStore, index: Index) -> None:
+    """Part bookkeeping and assembly; the key's changes are ordered by BlockService's lock of that key."""
+
+    def __init__(
+        self,
+        *,
+        store: BlockStore,
+        index: Index,
+        locks: KeyLocks,
+        commit: Commit,
+        usage: Callable[[str, int, int], None],
+    ) -> None:
         self.store = store
         self.index = index
-        self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
-
-    def _lock(self, key: str) -> asyncio.Lock:
-        lock = self._locks.get(key)
-        if lock is None:
-            lock = asyncio.Lock()
-            self._locks[key] = lock
-        return lock
+        self._lock = locks
+        self._commit = commit
+        self._usage = usage
 
     async def put_part(
         self, key: BlockKey, body: AsyncIterable[bytes], *, span: ByteSpan, part_digest: str | None
@@ -141,6 +153,7 @@ class PartAssembler:
                     if not await self.index.add_part(record):  # another replica recorded this start first
                         raise Conflict(f"a part starting at byte {span.start} was recorded concurrently")
                     keep = True
+                    self._usage(key.namespace, 0, span.size)
                     parts = await self.index.get_parts(path)
                 if not covers(parts, span.total):
                     return PartOutcome(path, span, stored.digest, False, same is None, None)
@@ -169,9 +182,10 @@ class PartAssembler:
         return PartOutcome(path, span, meta.digest, True, False, digest)
 
     async def _assemble(self, key: BlockKey, parts: list[PartRecord], total: int) -> str:
+        """Concatenate the parts into a staged version and commit it (the caller holds the key's lock)."""
         path = key.path
         try:
-            stored = await self.store.put(path, self._concat(parts), size=total)
+            staged = await self.store.stage(path, self._concat(parts), size=total)
         except Conflict:  # a stored part is corrupt: drop them all, the writers send them again next time
             await self.drop(path, parts)
             raise
@@ -180,12 +194,10 @@ class PartAssembler:
             if record is not None and record.size == total:  # another replica assembled it and dropped the parts
                 return record.digest
             raise
-        await self.index.upsert_block(
-            key=path, namespace=key.namespace, rank=key.rank, group=key.group, size=stored.size, digest=stored.digest
-        )
+        await self._commit(key, staged, create_only=False)
         await self.drop(path, parts)
         log.info("assembled key=%s parts=%d size=%d", path, len(parts), total)
-        return stored.digest
+        return staged.meta.digest
 
     async def _concat(self, parts: list[PartRecord]) -> AsyncIterator[bytes]:
         for part in parts:
@@ -202,10 +214,16 @@ class PartAssembler:
             finally:
                 await reader.aclose()
 
-    async def drop(self, path: str, parts: list[PartRecord] | None = None) -> None:
-        """Forget the parts of ``path`` (rows, then data)."""
+    async def drop(self, path: str, parts: list[PartRecord] | None = None) -> int:
+        """Forget the parts of ``path`` (rows, then data); how many rows there were."""
         parts = await self.index.get_parts(path) if parts is None else parts
-        await self.index.delete_parts(path)
+        if not parts:
+            return 0
+        removed = await self.index.delete_parts(path)
+        if removed:
+            with contextlib.suppress(InvalidKey):
+                self._usage(parse_block_key(path).namespace, 0, -sum(p.end - p.start for p in parts))
         for part in parts:
             with contextlib.suppress(Exception):
                 await self.store.delete(part.store_key)
+        return removed

@@ -1,7 +1,10 @@
 """Reconcile the index with the store: at start-up (before serving) and from ``kvgate gc``.
 
 - temp files of interrupted writes are removed (filesystem store);
-- a row whose data is gone is dropped; a row whose data has another size is re-read and re-recorded;
+- a row whose data is gone is dropped; a row whose data is another version than the one it names (its stamp: a
+  crash between the row and the rename) is re-read and re-recorded: found by a stat, not by re-hashing the store;
+- S3 versions that no row names (a write that never committed, a replaced version) are removed once older than
+  ``stale_parts_s``;
 - data without a row is adopted: size and digest recomputed (bounded concurrency), namespace/rank/group parsed
   from the key with connector.protocol.parse_block_key; created/last access = the object's mtime, 0 hits;
 - keys that are not block keys: ``<ns>/config.json`` is adopted into the namespaces table if its fields hash to
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 from app.errors import BlockNotFound
 from app.index import BlockRecord, Index
 from app.parts import PARTS_PREFIX
+from app.service import BlockService
 from app.storage import BlockStore, ObjectInfo
 from connector.protocol import InvalidKey, check_namespace_fields, parse_block_key, parse_config_key
 
@@ -42,6 +46,7 @@ class ReconcileReport:
     temp_removed: int = 0
     stale_uploads_dropped: int = 0
     part_objects_removed: int = 0
+    stale_versions_removed: int = 0
     left_alone: list[str] = field(default_factory=list)
     blocks: int = 0
     bytes: int = 0
@@ -100,8 +105,7 @@ async def _drop_stale_parts(
 
 async def reconcile(
     *,
-    store: BlockStore,
-    index: Index,
+    service: BlockService,
     concurrency: int = 8,
     temp_older_than_s: float = 0.0,
     stale_parts_s: float = 3600.0,
@@ -109,14 +113,17 @@ async def reconcile(
 ) -> ReconcileReport:
     """Make the index agree with the store; returns what changed. Safe to run again at any time."""
     began = time.monotonic()
+    store, index = service.store, service.index
     report = ReconcileReport()
     note = progress or (lambda _phase, _done, _total: None)
     remove_temp = getattr(store, "remove_temp_files", None)
     if remove_temp is not None:
         report.temp_removed = int(await remove_temp(older_than_s=temp_older_than_s))
+    versioned = bool(getattr(store, "versioned", False))
 
-    rows = await index.block_sizes()
-    blocks: dict[str, ObjectInfo] = {}
+    rows = await index.block_versions()
+    current: dict[str, ObjectInfo] = {}  # the object each key's reader would open
+    extra: list[ObjectInfo] = []  # versions no row names (S3): a write that never committed, or one replaced
     others: list[str] = []
     part_objects: list[ObjectInfo] = []
     async for info in store.list():
@@ -124,18 +131,36 @@ async def reconcile(
             part_objects.append(info)
             continue
         try:
-            if parse_block_key(info.key).path == info.key:
-                blocks[info.key] = info
-                continue
+            if parse_block_key(info.key).path != info.key:
+                raise InvalidKey(info.key)
         except InvalidKey:
-            pass
-        others.append(info.key)
-    note("scan", len(blocks), len(blocks))
+            others.append(info.key)
+            continue
+        if not versioned:
+            current[info.key] = info
+        elif info.stamp is not None and info.stamp != rows.get(info.key, (0, None))[1]:
+            extra.append(info)
+        elif info.stamp is None and info.key in rows and rows[info.key][1] is not None:
+            extra.append(info)  # an unversioned object superseded by a version
+        else:
+            current[info.key] = info
+    note("scan", len(current), len(current))
 
-    missing = [k for k in rows if k not in blocks]
-    report.rows_dropped = await index.delete_blocks(missing)
-    todo = [info for k, info in blocks.items() if rows.get(k) != info.size]
-    report.resized = sum(1 for info in todo if info.key in rows)
+    missing = [k for k in rows if k not in current]
+    report.rows_dropped = await service.forget(missing)
+    todo: list[ObjectInfo] = []
+    legacy: dict[str, str] = {}
+    for key, info in current.items():
+        row = rows.get(key)
+        if row is None:
+            todo.append(info)  # data without a row: adopt
+        elif row[1] is None and row[0] == info.size:
+            if info.stamp is not None:
+                legacy[key] = info.stamp  # a row from before 0003: trusted as before, now stamped
+        elif row != (info.size, info.stamp):
+            todo.append(info)  # in doubt: a crash between the row and the rename, or a change behind our back
+            report.resized += 1
+    await index.set_stamps(legacy)
 
     sem = asyncio.Semaphore(concurrency)
     done = 0
@@ -165,15 +190,22 @@ async def reconcile(
                 created_at=info.mtime,
                 last_access=info.mtime,
                 hits=0,
+                stamp=meta.stamp,
             )
         )
 
     note("digest", 0, len(todo))
     await asyncio.gather(*(adopt(info) for info in todo))
     note("write", 0, len(records))
-    await index.adopt_many(records)
+    await service.adopt_records(records)
     note("write", len(records), len(records))
     report.adopted = len(records) - report.resized
+
+    cutoff = time.time() - stale_parts_s
+    for info in extra:  # uncommitted or replaced versions, once no writer can still be committing them
+        if info.mtime <= cutoff:
+            await store.remove(info.key, stamp=info.stamp)
+            report.stale_versions_removed += 1
 
     known = set(await index.namespace_names())
     for key in others:
@@ -191,7 +223,7 @@ async def reconcile(
     report.bytes = sum(u.bytes for u in usage)
     report.seconds = time.monotonic() - began
     log.info(
-        "reconcile dropped=%s adopted=%s resized=%s configs=%s temp=%s blocks=%s bytes=%s in %.2fs",
+        "reconcile dropped=%s adopted=%s in_doubt=%s configs=%s temp=%s blocks=%s bytes=%s in %.2fs",
         report.rows_dropped,
         report.adopted,
         report.resized,

@@ -1,32 +1,47 @@
-"""BlockService: the one place that orders "data written, then index updated" and decides what a client sees."""
+"""BlockService: the one owner of each key's life. Every change of a key (PUT, part assembly, DELETE, eviction,
+purge, import, repair) is made here, under that key's lock, in one order:
+
+1. the new version is written in full and checked, invisible (``store.stage``: a temp file, a new S3 object);
+2. under the key's lock, one index transaction swaps the row to the new version (reading the row it replaces,
+   and refusing a create-only PUT of a present key): this is the write's point in the key's history;
+3. the store publishes that version (the filesystem's rename; nothing on S3, where the row names the object),
+   then the cache and the usage figures follow. If 3 fails the row is put back and the staged bytes dropped.
+
+Removal is the same in reverse: the row goes first (only if it still names the version chosen), then the data.
+
+Why it holds: a row names its version by a stamp (the file's inode and mtime, or the S3 object's own name), and a
+reader opens only the version its row names, so a body is always served with the ETag of its own row; and since a
+key's row changes only under its lock, in commit order, and a failed change is undone before the lock is released,
+the rows of a key are one linear history of acknowledged writes. After a crash between 2 and 3, the file's stamp
+differs from its row's: reconcile finds those keys by a stat (no re-hashing of the whole store) and re-reads them.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import hashlib
 import logging
 import time
-from collections import OrderedDict
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from app.errors import (
     BlockNotFound,
     Conflict,
-    DigestMismatch,
-    IndexUnavailable,
     InvalidRequest,
     KVGateError,
+    LayoutMismatch,
     NamespaceNotFound,
     PreconditionFailed,
-    RangeNotSatisfiable,
-    SizeMismatch,
+    VersionMismatch,
 )
-from app.index import BlockRecord, Index
+from app.index import BlockRecord, Candidate, Index
+from app.keystate import BlockMeta, KeyLocks, MetaCache
 from app.parts import ByteSpan, PartAssembler, PartOutcome
-from app.storage import BlockStore, ObjectReader
-from app.storage.base import BodyChecker
+from app.reads import OpenBlock
+from app.storage import BlockStore
+from app.storage.base import BodyChecker, Staged
 from connector.protocol import (
     BlockKey,
     InvalidKey,
@@ -38,12 +53,13 @@ from connector.protocol import (
 
 log = logging.getLogger("kvgate.service")
 
-
-@dataclass(frozen=True, slots=True)
-class BlockMeta:
-    key: str
-    size: int
-    digest: str
+MAX_CONFIG_BYTES = 64 * 1024
+"""The largest namespace config (a run's FileMapper fields are a few hundred bytes to a few KiB)."""
+REMOVE_CONCURRENCY = 16
+OPEN_ATTEMPTS = 3
+RETIRE_AFTER_S = 5.0
+"""A replaced or removed S3 version object is deleted this long after its row stopped naming it, so that a GET that
+opened it just before has started reading it (an S3 GET in progress reads to the end after a delete)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,53 +76,24 @@ class Counters:
     misses: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class PurgeReport:
+    blocks: int
+    bytes: int
+    config: bool
+
+
 class CapacityHook(Protocol):
-    """Capacity accounting and admission (app/eviction.py): told of every stored and removed block."""
+    """Capacity (app/eviction.py): admission of writes, and the usage figures every change of a key updates."""
 
     async def admit(self, *, namespace: str, size: int, replacing: int) -> None:
         """Reserve room for ``size`` bytes (replacing ``replacing``), evicting if need be, or raise 507."""
 
     def release(self, *, namespace: str, size: int) -> None:
-        """Drop the reservation made by ``admit`` (the PUT finished, stored or failed)."""
+        """Drop the reservation made by ``admit`` (the write finished, stored or failed)."""
 
-    def stored(self, *, namespace: str, size: int, replaced: int | None) -> None:
-        """A block of ``size`` bytes is now recorded (``replaced``: the size it replaced; None: it is new)."""
-
-    def removed(self, *, namespace: str, size: int) -> None: ...
-
-
-class MetaCache:
-    """Bounded LRU of block metadata, optionally with a time-to-live (several gateways sharing one index)."""
-
-    def __init__(self, *, entries: int, ttl_s: float | None) -> None:
-        self._entries = entries
-        self._ttl = ttl_s
-        self._data: OrderedDict[str, tuple[BlockMeta, float]] = OrderedDict()
-
-    def get(self, key: str) -> BlockMeta | None:
-        item = self._data.get(key)
-        if item is None:
-            return None
-        meta, stamp = item
-        if self._ttl is not None and time.monotonic() - stamp > self._ttl:
-            del self._data[key]
-            return None
-        self._data.move_to_end(key)
-        return meta
-
-    def put(self, meta: BlockMeta) -> None:
-        if self._entries == 0 or self._ttl == 0:
-            return
-        self._data[meta.key] = (meta, time.monotonic())
-        self._data.move_to_end(meta.key)
-        while len(self._data) > self._entries:
-            self._data.popitem(last=False)
-
-    def drop(self, key: str) -> None:
-        self._data.pop(key, None)
-
-    def clear(self) -> None:
-        self._data.clear()
+    def changed(self, *, namespace: str, blocks: int, nbytes: int) -> None:
+        """Usage moved by ``blocks`` blocks and ``nbytes`` bytes (a committed change, exact)."""
 
 
 def parse_key(path: str) -> BlockKey:
@@ -116,70 +103,8 @@ def parse_key(path: str) -> BlockKey:
         raise InvalidRequest(str(exc)) from exc
 
 
-def resolve_range(spec: str | None, size: int) -> tuple[int, int] | None:
-    """Parse a single ``bytes=a-b`` / ``bytes=a-`` / ``bytes=-n`` range into half-open ``[start, end)``."""
-    if spec is None:
-        return None
-    unit, _, ranges = spec.strip().partition("=")
-    if unit.strip().lower() != "bytes" or not ranges or "," in ranges:
-        raise InvalidRequest("only a single 'bytes=a-b' range is supported")
-    first, dash, last = ranges.strip().partition("-")
-    if not dash or not (first.isdigit() or last.isdigit()) or (first and not first.isdigit()):
-        raise InvalidRequest(f"malformed range {spec!r}")
-    if last and not last.isdigit():
-        raise InvalidRequest(f"malformed range {spec!r}")
-    if not first:  # suffix range: the last n bytes
-        n = int(last)
-        if n == 0:
-            raise RangeNotSatisfiable("empty suffix range", size=size)
-        return max(0, size - n), size
-    start = int(first)
-    end = min(size, int(last) + 1) if last else size
-    if start >= size or (last and int(last) < start):
-        raise RangeNotSatisfiable(f"range {spec!r} outside 0-{size - 1}", size=size)
-    return start, end
-
-
-class OpenBlock:
-    """A block opened for reading: metadata plus a reader that the response closes."""
-
-    def __init__(self, meta: BlockMeta, reader: ObjectReader) -> None:
-        self.meta = meta
-        self.reader = reader
-
-    async def stream(self, start: int, end: int) -> AsyncIterator[bytes]:
-        try:
-            async for chunk in self.reader.chunks(start=start, end=end):
-                yield chunk
-        finally:
-            await self.reader.aclose()
-
-
-async def read_range_verified(block: OpenBlock, start: int, end: int) -> tuple[bytes, str]:
-    """The bytes ``[start, end)`` and their sha256, after checking the WHOLE object against the index's digest.
-
-    A reader at another TP size asks for a byte range, which the ETag (the whole object's digest) cannot vouch for;
-    so the gateway reads the object once, checks it, and vouches for the range itself. A mismatch is corruption at
-    rest: BlockNotFound (a miss, which the engine recomputes), never the bytes.
-    """
-    checker = BodyChecker(size=block.meta.size, expected_digest=block.meta.digest)
-    chunks: list[bytes] = []
-    pos = 0
-    try:
-        async for chunk in block.reader.chunks(start=0, end=block.meta.size):
-            checker.update(chunk)
-            lo, hi = max(start, pos), min(end, pos + len(chunk))
-            if lo < hi:
-                chunks.append(chunk[lo - pos : hi - pos])
-            pos += len(chunk)
-        checker.finish()
-    except (DigestMismatch, SizeMismatch) as exc:
-        log.error("corrupt block key=%s: %s", block.meta.key, exc)
-        raise BlockNotFound(block.meta.key) from exc
-    finally:
-        await block.reader.aclose()
-    data = b"".join(chunks)
-    return data, hashlib.sha256(data).hexdigest()
+def _meta(record: BlockRecord) -> BlockMeta:
+    return BlockMeta(key=record.key, size=record.size, digest=record.digest, stamp=record.stamp)
 
 
 class BlockService:
@@ -187,25 +112,81 @@ class BlockService:
         self.store = store
         self.index = index
         self.cache = cache
-        self.parts = PartAssembler(store=store, index=index)
+        self.locks = KeyLocks()
+        self.parts = PartAssembler(store=store, index=index, locks=self.locks, commit=self._commit, usage=self._usage)
         self.counters = Counters()
         self.capacity: CapacityHook | None = None
-        """Set by create_app when a capacity bound is configured."""
-        self.writing: set[str] = set()
-        """Keys with a PUT in flight: eviction skips them (it would unlink the new data under the new row)."""
+        """Set by create_app (app/eviction.py)."""
+        self.changing = 0
+        """Changes of keys in flight (a usage resync waits for none)."""
+        self._versioned = bool(getattr(store, "versioned", False))
+        """The store keeps each version as its own object (S3): a replaced version is removed after the swap."""
+        self._layouts: dict[str, int | None] = {}
+        self._retiring: set[asyncio.Task[None]] = set()
 
-    async def _meta(self, key: str) -> BlockMeta | None:
-        meta = self.cache.get(key)
+    async def close(self) -> None:
+        """Stop pending deletions of retired versions (objects no row names: reconcile removes them later)."""
+        for task in list(self._retiring):
+            task.cancel()
+        await asyncio.gather(*self._retiring, return_exceptions=True)
+
+    # -- bookkeeping ------------------------------------------------------------------------------------------
+
+    def _usage(self, namespace: str, blocks: int, nbytes: int) -> None:
+        if self.capacity is not None and (blocks or nbytes):
+            self.capacity.changed(namespace=namespace, blocks=blocks, nbytes=nbytes)
+
+    @contextlib.asynccontextmanager
+    async def _changing(self, key: str) -> AsyncIterator[None]:
+        """Hold ``key`` for one change; the cache epoch moves first, so no reader caches what it read before."""
+        async with self.locks(key):
+            self.changing += 1
+            self.cache.epoch += 1
+            self.cache.drop(key)
+            try:
+                yield
+            finally:
+                self.changing -= 1
+
+    async def _row(self, key: str, *, fresh: bool = False) -> BlockMeta | None:
+        meta = None if fresh else self.cache.get(key)
         if meta is not None:
             return meta
+        epoch = self.cache.epoch
         record = await self.index.get(key)
         if record is None:
             return None
-        meta = BlockMeta(key=record.key, size=record.size, digest=record.digest)
-        self.cache.put(meta)
+        meta = _meta(record)
+        self.cache.put(meta, read_at_epoch=epoch)
         return meta
 
-    # -- blocks ----------------------------------------------------------------------------------------------
+    async def _discard(self, staged: Staged) -> None:
+        try:
+            await self.store.discard(staged)
+        except KVGateError as exc:  # a leftover temp file or object: reconcile sweeps those
+            log.warning("could not drop staged data key=%s: %s", staged.key, exc)
+
+    async def _check_layout(self, key: BlockKey, size: int) -> None:
+        """422 if the namespace's recorded layout gives its blocks another byte size."""
+        if key.namespace not in self._layouts:
+            record = await self.index.get_namespace(key.namespace)
+            expected = record.fields.get("block_bytes") if record is not None else None
+            self._layouts[key.namespace] = expected if isinstance(expected, int) else None
+            if len(self._layouts) > 4096:
+                self._layouts.pop(next(iter(self._layouts)))
+        expected = self._layouts[key.namespace]
+        if expected is not None and size != expected:
+            raise LayoutMismatch(
+                f"namespace {key.namespace!r} records blocks of {expected} bytes (block_bytes); this one has {size}"
+            )
+
+    async def _admit(self, namespace: str, size: int, replacing: int) -> bool:
+        if self.capacity is None:
+            return False
+        await self.capacity.admit(namespace=namespace, size=size, replacing=replacing)
+        return True
+
+    # -- writes -----------------------------------------------------------------------------------------------
 
     async def put(
         self,
@@ -217,54 +198,252 @@ class BlockService:
         create_only: bool,
     ) -> PutResult:
         path = key.path
-        existing = await self.index.get(path)
+        await self._check_layout(key, size)
+        existing = await self._row(path)
         if existing is not None and create_only:
             raise PreconditionFailed(f"{path!r} is present (If-None-Match: *)")
         if existing is not None and digest is not None and digest.lower() == existing.digest and size == existing.size:
-            # Identical re-put: verify the body as it drains, write nothing.
-            checker = BodyChecker(size=size, expected_digest=digest)
+            checker = BodyChecker(size=size, expected_digest=digest)  # identical re-put: verify, write nothing
             async for chunk in body:
                 checker.update(chunk)
             checker.finish()
-            return PutResult(meta=BlockMeta(key=path, size=size, digest=existing.digest), created=False)
-        self.writing.add(path)  # before admission: eviction must not pick the block this PUT replaces
-        admitted = False
+            return PutResult(meta=existing, created=False)
+        admitted = await self._admit(key.namespace, size, existing.size if existing else 0)
         try:
-            if self.capacity is not None:
-                replacing = existing.size if existing else 0
-                await self.capacity.admit(namespace=key.namespace, size=size, replacing=replacing)
-                admitted = True
-            stored = await self.store.put(path, body, size=size, expected_digest=digest)
-            self.cache.drop(path)
-            try:
-                await self.index.upsert_block(
-                    key=path,
-                    namespace=key.namespace,
-                    rank=key.rank,
-                    group=key.group,
-                    size=stored.size,
-                    digest=stored.digest,
-                )
-            except IndexUnavailable:
-                if existing is not None and existing.digest != stored.digest:
-                    # The old row would vouch for the new bytes under the old ETag: take the bytes away instead
-                    # (a miss, which the client recomputes), never serve bytes the index does not describe.
-                    with contextlib.suppress(KVGateError):
-                        await self.store.delete(path)
-                raise
-            if self.capacity is not None:
-                replaced = existing.size if existing else None
-                self.capacity.stored(namespace=key.namespace, size=stored.size, replaced=replaced)
+            staged = await self.store.stage(path, body, size=size, expected_digest=digest)
+            # the change runs to its end even if the client goes away: a half-made change is never left behind
+            return await asyncio.shield(self._commit(key, staged, create_only=create_only, lock=True))
         finally:
-            self.writing.discard(path)
             if admitted and self.capacity is not None:
                 self.capacity.release(namespace=key.namespace, size=size)
-        meta = BlockMeta(key=path, size=stored.size, digest=stored.digest)
+
+    async def _commit(self, key: BlockKey, staged: Staged, *, create_only: bool, lock: bool = False) -> PutResult:
+        """Make ``staged`` the key's version (see the module docstring); ``lock``: take the key's lock here."""
+        if lock:
+            async with self._changing(key.path):
+                return await self._commit_locked(key, staged, create_only=create_only)
+        self.cache.epoch += 1
+        self.cache.drop(key.path)
+        return await self._commit_locked(key, staged, create_only=create_only)
+
+    async def _commit_locked(self, key: BlockKey, staged: Staged, *, create_only: bool) -> PutResult:
+        path, now = key.path, time.time()
+        record = BlockRecord(
+            key=path,
+            namespace=key.namespace,
+            rank=key.rank,
+            group=key.group,
+            size=staged.meta.size,
+            digest=staged.meta.digest,
+            created_at=now,
+            last_access=now,
+            hits=0,
+            stamp=staged.stamp,
+        )
+        try:
+            swap = await self.index.swap_block(record, create_only=create_only)
+        except BaseException:
+            await self._discard(staged)
+            raise
+        if not swap.written and swap.old is not None:  # create-only on a present key, or the same bytes
+            await self._discard(staged)
+            if create_only:
+                raise PreconditionFailed(f"{path!r} is present (If-None-Match: *)")
+            return PutResult(meta=_meta(swap.old), created=False)
+        try:
+            await self.store.publish(staged)
+        except BaseException:
+            # the row names a version that is not there: put the old row back; a miss or the old bytes, never a lie
+            with contextlib.suppress(KVGateError):
+                await self.index.restore_block(key=path, stamp=staged.stamp, old=swap.old)
+            await self._discard(staged)
+            raise
+        old = swap.old
+        if old is not None and self._versioned and old.stamp != staged.stamp:
+            self._retire(path, old.stamp)
+        meta = _meta(record)
         self.cache.put(meta)
-        return PutResult(meta=meta, created=existing is None)
+        self._usage(key.namespace, 0 if old else 1, record.size - (old.size if old else 0))
+        return PutResult(meta=meta, created=old is None)
+
+    def _retire(self, key: str, stamp: str | None) -> None:
+        """Delete a version object (S3) that no row names any more, after RETIRE_AFTER_S."""
+
+        async def later() -> None:
+            await asyncio.sleep(RETIRE_AFTER_S)
+            try:
+                await self.store.remove(key, stamp=stamp)
+            except KVGateError as exc:  # an object no row names: reconcile removes it
+                log.warning("could not remove retired version key=%s stamp=%s: %s", key, stamp, exc)
+
+        task = asyncio.get_running_loop().create_task(later(), name="kvgate-retire")
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    async def put_part(
+        self, key: BlockKey, body: AsyncIterable[bytes], *, span: ByteSpan, part_digest: str | None, create_only: bool
+    ) -> PartOutcome:
+        """Store one byte range of a multi-part object; the object is published when the parts cover it."""
+        await self._check_layout(key, span.total)
+        if create_only and await self._row(key.path) is not None:
+            raise PreconditionFailed(f"{key.path!r} is present (If-None-Match: *)")
+        admitted = await self._admit(key.namespace, span.size, 0)
+        try:
+            return await self.parts.put_part(key, body, span=span, part_digest=part_digest)
+        finally:
+            if admitted and self.capacity is not None:
+                self.capacity.release(namespace=key.namespace, size=span.size)
+
+    # -- removal ----------------------------------------------------------------------------------------------
+
+    async def _remove_locked(self, key: str, *, expect: Candidate | None = None) -> BlockRecord | None:
+        """Remove the key's row, then its data; with ``expect``, only if the row still names that version."""
+        if expect is None:
+            old = await self.index.remove_block(key)
+        else:
+            old = await self.index.remove_block(key, stamp=expect.stamp, any_version=False)
+        if old is None:
+            return None
+        self._usage(old.namespace, -1, -old.size)
+        if self._versioned:
+            self._retire(key, old.stamp)
+            return old
+        try:
+            await self.store.remove(key, stamp=old.stamp)  # the filesystem: an open reader's fd keeps its inode
+        except KVGateError as exc:  # data without a row: reconcile adopts or removes it
+            log.warning("row removed, data not key=%s: %s", key, exc)
+        return old
+
+    async def delete(self, key: BlockKey) -> None:
+        path = key.path
+
+        async def run() -> bool:
+            async with self._changing(path):
+                old = await self._remove_locked(path)
+                dropped = await self.parts.drop(path)
+                orphan = False if old is not None else await self.store.delete(path)  # data no row described
+                return old is not None or orphan or dropped > 0
+
+        if not await asyncio.shield(run()):
+            raise BlockNotFound(path)
+
+    async def evict(self, candidates: Sequence[Candidate]) -> list[Candidate]:
+        """Remove each candidate whose row still names the version chosen; the ones removed."""
+        sem = asyncio.Semaphore(REMOVE_CONCURRENCY)
+
+        async def one(c: Candidate) -> bool:
+            async with sem, self._changing(c.key):
+                return await self._remove_locked(c.key, expect=c) is not None
+
+        done = await asyncio.gather(*(one(c) for c in candidates))
+        return [c for c, ok in zip(candidates, done, strict=True) if ok]
+
+    async def purge(self, namespace: str) -> PurgeReport:
+        """Remove a namespace: its blocks (rows, then data), data no row describes, incomplete uploads, config."""
+        try:
+            parse_namespace(namespace)
+        except InvalidKey as exc:
+            raise InvalidRequest(str(exc)) from exc
+        blocks = await self.index.namespace_blocks(namespace)
+        has_config = await self.index.get_namespace(namespace) is not None
+        known = {k for k, _ in blocks}
+        orphans: list[str] = []
+        async for info in self.store.list(prefix=f"{namespace}_r"):
+            with contextlib.suppress(InvalidKey):
+                if parse_block_key(info.key).namespace == namespace and info.key not in known:
+                    orphans.append(info.key)
+        uploads = [k for k in await self.index.part_bytes() if k.startswith(f"{namespace}_r")]
+        if not blocks and not has_config and not orphans and not uploads:
+            raise NamespaceNotFound(namespace)
+        sem = asyncio.Semaphore(REMOVE_CONCURRENCY)
+
+        async def one(key: str) -> int:
+            async with sem, self._changing(key):
+                old = await self._remove_locked(key)
+                await self.parts.drop(key)
+                if old is None:
+                    await self.store.delete(key)
+                return 0 if old is None else old.size
+
+        sizes = await asyncio.gather(*(one(k) for k in sorted({*known, *orphans, *uploads})))
+        removed = sum(1 for s in sizes if s)
+        if has_config:
+            await self.store.delete(config_path(namespace))
+            await self.index.delete_namespace(namespace)
+        self._layouts.pop(namespace, None)
+        return PurgeReport(blocks=removed, bytes=sum(sizes), config=has_config)
+
+    # -- adoption and repair ----------------------------------------------------------------------------------
+
+    async def adopt(self, key: BlockKey) -> BlockMeta | None:
+        """Record the data stored under ``key`` as it is now (re-read and hashed); None if there is none."""
+        async with self._changing(key.path):
+            return await self._adopt_locked(key)
+
+    async def _adopt_locked(self, key: BlockKey) -> BlockMeta | None:
+        try:
+            stored = await self.store.digest(key.path)
+        except BlockNotFound:
+            old = await self._remove_locked(key.path)
+            if old is not None:
+                log.warning("repair: no data for key=%s, row dropped", key.path)
+            return None
+        now = time.time()
+        record = BlockRecord(
+            key=key.path,
+            namespace=key.namespace,
+            rank=key.rank,
+            group=key.group,
+            size=stored.size,
+            digest=stored.digest,
+            created_at=now,
+            last_access=now,
+            hits=0,
+            stamp=stored.stamp,
+        )
+        swap = await self.index.swap_block(record, create_only=False)
+        old = swap.old
+        if not swap.written and old is not None and old.stamp != stored.stamp:  # same bytes, another stamp
+            await self.index.adopt_many([record])
+        self._usage(key.namespace, 0 if old else 1, stored.size - (old.size if old else 0))
+        return BlockMeta(key=key.path, size=stored.size, digest=stored.digest, stamp=stored.stamp)
+
+    async def repair(self, key: BlockKey) -> None:
+        """Make the row of ``key`` describe what is stored: on a filesystem re-read the file (a crash between the
+        row and the rename leaves the file of the other version); on S3 drop a row whose version object is gone."""
+        async with self._changing(key.path):
+            if not self._versioned:
+                await self._adopt_locked(key)
+                return
+            record = await self.index.get(key.path)
+            if record is None:
+                return
+            try:
+                reader = await self.store.open(key.path, stamp=record.stamp)
+            except BlockNotFound:
+                if await self.index.remove_block(key.path, stamp=record.stamp, any_version=False) is not None:
+                    self._usage(record.namespace, -1, -record.size)
+                    log.warning("repair: version object gone key=%s stamp=%s, row dropped", key.path, record.stamp)
+                return
+            await reader.aclose()
+
+    async def adopt_records(self, records: Iterable[BlockRecord]) -> None:
+        """Record versions reconcile found and hashed (before the gateway serves, or from ``kvgate gc``)."""
+        records = list(records)
+        await self.index.adopt_many(records)
+        for r in records:
+            self.cache.drop(r.key)
+
+    async def forget(self, keys: Sequence[str]) -> int:
+        """Drop rows whose data is gone (reconcile)."""
+        for key in keys:
+            self.cache.drop(key)
+        return await self.index.delete_blocks(keys)
+
+    # -- reads ------------------------------------------------------------------------------------------------
 
     async def head(self, key: BlockKey) -> BlockMeta:
-        meta = await self._meta(key.path)
+        meta = await self._row(key.path)
         if meta is None:
             self.counters.misses += 1
             raise BlockNotFound(key.path)
@@ -272,51 +451,31 @@ class BlockService:
         return meta
 
     async def open(self, key: BlockKey) -> OpenBlock:
+        """The version the index names, opened: body, size and digest of one version, always together."""
         path = key.path
-        meta = await self._meta(path)
-        if meta is None:
-            self.counters.misses += 1
-            raise BlockNotFound(path)
-        try:
-            reader = await self.store.open(path)
-        except BlockNotFound:
-            self.cache.drop(path)  # deleted behind our back (another replica, an operator)
-            self.counters.misses += 1
-            raise
-        if reader.size != meta.size:
-            await reader.aclose()
-            self.cache.drop(path)
-            log.error("size mismatch key=%s index=%s store=%s", path, meta.size, reader.size)
-            self.counters.misses += 1
-            raise BlockNotFound(path)
-        self.counters.hits += 1
-        self.index.touch(path)
-        return OpenBlock(meta, reader)
-
-    async def delete(self, key: BlockKey) -> None:
-        path = key.path
-        self.cache.drop(path)
-        record = await self.index.get(path) if self.capacity is not None else None
-        removed_data = await self.store.delete(path)
-        removed_rows = await self.index.delete_blocks([path])
-        if self.capacity is not None and record is not None and removed_rows:
-            self.capacity.removed(namespace=record.namespace, size=record.size)
-        await self.parts.drop(path)
-        if not removed_data and not removed_rows:
-            raise BlockNotFound(path)
-
-    async def put_part(
-        self, key: BlockKey, body: AsyncIterable[bytes], *, span: ByteSpan, part_digest: str | None, create_only: bool
-    ) -> PartOutcome:
-        """Store one byte range of a multi-part object; the object is published when the parts cover it."""
-        if create_only and await self._meta(key.path) is not None:
-            raise PreconditionFailed(f"{key.path!r} is present (If-None-Match: *)")
-        outcome = await self.parts.put_part(key, body, span=span, part_digest=part_digest)
-        if outcome.complete:
-            self.cache.drop(key.path)
-            if outcome.created and self.capacity is not None:
-                self.capacity.stored(namespace=key.namespace, size=span.total, replaced=None)
-        return outcome
+        for attempt in range(OPEN_ATTEMPTS + 1):
+            if attempt == OPEN_ATTEMPTS:
+                # no change in flight, and the data is still not the version its row names: repair, then a last look
+                log.warning("stored data is not its row's version key=%s: repairing", path)
+                await self.repair(key)
+            meta = await self._row(path, fresh=attempt > 0)
+            if meta is None:
+                break
+            try:
+                reader = await self.store.open(path, stamp=meta.stamp)
+            except (VersionMismatch, BlockNotFound):
+                self.cache.drop(path)
+                await self.locks.settle(path)  # a change of this key in flight: read after it
+                continue
+            if reader.size != meta.size:  # a row without a stamp (written before 0003) that no longer fits
+                await reader.aclose()
+                self.cache.drop(path)
+                continue
+            self.counters.hits += 1
+            self.index.touch(path)
+            return OpenBlock(meta, reader)
+        self.counters.misses += 1
+        raise BlockNotFound(path)
 
     async def lookup(self, paths: list[str]) -> tuple[int, list[BlockRecord | None]]:
         """Length of the longest present prefix of ``paths``, and each path's record (None: absent)."""
@@ -330,7 +489,7 @@ class BlockService:
             prefix += 1
         return prefix, slots
 
-    # -- namespaces ------------------------------------------------------------------------------------------
+    # -- namespaces -------------------------------------------------------------------------------------------
 
     async def put_config(self, namespace: str, fields: dict[str, Any], raw: bytes) -> bool:
         """Store a namespace's fields (checked against its name); True if new. ``raw`` is stored verbatim."""
@@ -338,10 +497,16 @@ class BlockService:
             parse_namespace(namespace)
         except InvalidKey as exc:
             raise InvalidRequest(str(exc)) from exc
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise InvalidRequest(f"namespace config is {len(raw)} bytes; at most {MAX_CONFIG_BYTES}")
+        if not isinstance(fields.get("model_name"), str):
+            raise InvalidRequest("namespace config needs the run's FileMapper fields ('model_name' and the rest)")
         try:
             check_namespace_fields(namespace, fields)
         except InvalidKey as exc:
             raise Conflict(str(exc)) from exc
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequest(f"namespace config fields cannot be hashed: {exc}") from exc
         current = await self.index.get_namespace(namespace)
         if current is not None and current.fields != fields:
             raise Conflict(f"namespace {namespace!r} holds other fields")
@@ -350,6 +515,7 @@ class BlockService:
             yield raw
 
         await self.store.put(config_path(namespace), body(), size=len(raw))
+        self._layouts.pop(namespace, None)
         return await self.index.put_namespace(name=namespace, fields=fields)
 
     async def get_config(self, namespace: str) -> dict[str, Any]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Annotated
 
@@ -15,11 +14,9 @@ from app.errors import InvalidRequest, NamespaceNotFound
 from app.eviction import Capacity
 from app.index import NamespaceUsage
 from app.service import BlockService
-from connector.protocol import InvalidKey, config_path, parse_block_key, parse_namespace
+from connector.protocol import InvalidKey, parse_namespace
 
 router = APIRouter(prefix="/v1", tags=["admin"])
-
-PURGE_CONCURRENCY = 16
 
 
 class NamespaceSummary(BaseModel):
@@ -128,51 +125,9 @@ async def get_namespace(namespace: str, svc: Annotated[BlockService, Depends(ser
     summary="Purge a namespace: block data, rows and config",
     responses=documented(400, 404, 503),
 )
-async def purge_namespace(
-    namespace: str,
-    svc: Annotated[BlockService, Depends(service)],
-    cap: Annotated[Capacity, Depends(capacity)],
-) -> PurgeResult:
-    _check(namespace)
-    blocks = await svc.index.namespace_blocks(namespace)
-    has_config = await svc.index.get_namespace(namespace) is not None
-    # Data without a row (not reconciled yet) goes too: list the namespace's rank directories.
-    orphans: list[str] = []
-    known = {k for k, _ in blocks}
-    async for info in svc.store.list(prefix=f"{namespace}_r"):
-        try:
-            if parse_block_key(info.key).namespace == namespace and info.key not in known:
-                orphans.append(info.key)
-        except InvalidKey:
-            continue
-    uploads = {
-        key: store_keys
-        for key, (_, store_keys) in (await svc.index.parts_summary()).items()
-        if key.startswith(f"{namespace}_r")
-    }
-    if not blocks and not has_config and not orphans and not uploads:
-        raise NamespaceNotFound(namespace)
-    sem = asyncio.Semaphore(PURGE_CONCURRENCY)
-
-    async def unlink(key: str) -> None:
-        async with sem:
-            svc.cache.drop(key)
-            await svc.store.delete(key)
-
-    # Data first, then rows (as eviction does): a crash in between leaves rows that reconcile drops.
-    await asyncio.gather(*(unlink(k) for k in [*known, *orphans, *(k for ks in uploads.values() for k in ks)]))
-    for key in uploads:  # incomplete multi-part uploads of the namespace
-        await svc.index.delete_parts(key)
-    removed = await svc.index.delete_blocks(list(known))
-    for key in known:
-        svc.cache.drop(key)
-    nbytes = sum(size for _, size in blocks)
-    for _, size in blocks:
-        cap.removed(namespace=namespace, size=size)
-    if has_config:
-        await svc.store.delete(config_path(namespace))  # False if already gone
-        await svc.index.delete_namespace(namespace)
-    return PurgeResult(namespace=namespace, blocks=removed, bytes=nbytes, config=has_config)
+async def purge_namespace(namespace: str, svc: Annotated[BlockService, Depends(service)]) -> PurgeResult:
+    report = await svc.purge(namespace)
+    return PurgeResult(namespace=namespace, blocks=report.blocks, bytes=report.bytes, config=report.config)
 
 
 @router.get(

@@ -15,8 +15,10 @@ from app.api.errors import documented
 from app.api.thin import ThinRoute
 from app.config import Settings
 from app.errors import InvalidRequest, LengthRequired, PayloadTooLarge
+from app.keystate import BlockMeta
 from app.parts import parse_content_range
-from app.service import BlockMeta, BlockService, OpenBlock, parse_key, read_range_verified, resolve_range
+from app.reads import OpenBlock, read_range_verified, resolve_range
+from app.service import BlockService, parse_key
 from connector.protocol import DIGEST_HEADER, PART_DIGEST_HEADER, RANGE_DIGEST_HEADER, BlockKey
 
 router = APIRouter(prefix="/v1/blocks", tags=["blocks"], route_class=ThinRoute)  # the data path: cheap binding

@@ -32,6 +32,7 @@ class LoopbackProcess:
         self.port = port or free_port()
         self.log_path = log_path_for(self.port)
         self.proc: subprocess.Popen[bytes] | None = None
+        self.cwd = REPO
 
     @property
     def url(self) -> str:
@@ -42,7 +43,7 @@ class LoopbackProcess:
 
     def _spawn(self, argv: list[str], *, env: Mapping[str, str], ready: Callable[[], bool], timeout_s: float) -> None:
         with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(argv, cwd=REPO, env=dict(env), stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(argv, cwd=self.cwd, env=dict(env), stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -73,13 +74,17 @@ class Gateway(LoopbackProcess):
 
     name = "gateway"
 
-    def __init__(self, data_dir: Path, *, env: Mapping[str, str] | None = None, port: int | None = None) -> None:
+    def __init__(
+        self, data_dir: Path, *, env: Mapping[str, str] | None = None, port: int | None = None, repo: Path = REPO
+    ) -> None:
         super().__init__(port=port, log_path_for=lambda p: data_dir.parent / f"gateway-{p}.log")
         self.data_dir = data_dir
         self.extra_env = dict(env or {})
+        self.cwd = repo
+        """The source tree it runs (another checkout for before/after benchmarks)."""
 
-    def start(self, *, timeout_s: float = 30.0) -> Gateway:
-        env = {**os.environ, "PYTHONPATH": str(REPO), "KVGATE_LOG_LEVEL": "warning", **self.extra_env}
+    def start(self, *, timeout_s: float = 90.0) -> Gateway:
+        env = {**os.environ, "PYTHONPATH": str(self.cwd), "KVGATE_LOG_LEVEL": "warning", **self.extra_env}
         env.setdefault("KVGATE_DATA_DIR", str(self.data_dir))
         self._spawn(
             [sys.executable, "-m", "app", "serve", "--port", str(self.port)],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -160,3 +161,112 @@ def test_s3_outage_is_503_and_recovers(tmp_path: Path) -> None:
     finally:
         gw.stop()
         moto.stop()
+
+
+# -- same-key races across the two replicas ---------------------------------------------------------------------
+
+
+async def _s3_objects(moto: MotoServer, bucket: str, prefix: str) -> dict[str, bytes]:
+    """Every object under ``prefix`` in the bucket, name (without the prefix) -> bytes."""
+    found: dict[str, bytes] = {}
+    async with aioboto3.Session().client(
+        "s3",
+        endpoint_url=moto.url,
+        region_name=S3_CREDS["region"],
+        aws_access_key_id=S3_CREDS["access_key_id"],
+        aws_secret_access_key=S3_CREDS["secret_access_key"],
+    ) as s3:
+        pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+        async for page in pages:
+            for obj in page.get("Contents", ()):
+                body = await s3.get_object(Bucket=bucket, Key=obj["Key"])
+                async with body["Body"] as stream:
+                    found[obj["Key"][len(prefix) :]] = await stream.read()
+    return found
+
+
+async def _pg_rows(db_url: str) -> dict[str, tuple[int, str, str | None]]:
+    import asyncpg  # type: ignore[import-untyped]
+
+    from tests.services import asyncpg_dsn
+
+    conn = await asyncpg.connect(asyncpg_dsn(db_url))
+    try:
+        return {r["key"]: (r["size"], r["digest"], r["stamp"]) for r in await conn.fetch("select * from blocks")}
+    finally:
+        await conn.close()
+
+
+@pytest.fixture
+def racing_replicas(
+    tmp_path: Path, moto_server: MotoServer, pg_server: PgServer
+) -> Iterator[tuple[Gateway, Gateway, str, str]]:
+    db_url = asyncio.run(pg_server.create_database())
+    bucket = unique_bucket()
+    env = {**moto_server.backend_env(bucket=bucket, prefix="kv"), "KVGATE_DB_URL": db_url}
+    gateways = (Gateway(tmp_path / "a", env=env), Gateway(tmp_path / "b", env=env))
+    try:
+        for g in gateways:
+            g.start()
+        yield gateways[0], gateways[1], bucket, db_url
+    finally:
+        for g in gateways:
+            g.stop()
+        asyncio.run(pg_server.drop_database(db_url))
+
+
+def test_same_key_races_across_replicas(
+    racing_replicas: tuple[Gateway, Gateway, str, str], moto_server: MotoServer
+) -> None:
+    """Writers and readers on both replicas, two keys: every answer one whole version; S3 and PostgreSQL agree."""
+    from tests.e2e.races import Ledger, assert_http_agrees, while_reading
+    from tests.e2e.test_races import same_key_writers
+
+    a, b, bucket, db_url = racing_replicas
+    urls, keys, ledger = [a.url, b.url], [key_for(1), key_for(2)], Ledger()
+    writes = same_key_writers(urls, keys, ledger, writers=8, sizes=[1000, 64 * 1024, 200 * 1024], puts=15)
+    acked = asyncio.run(while_reading(writes, urls, keys, ledger, n=6))
+    assert not ledger.errors, (ledger.errors[:10], ledger.statuses)
+    present = assert_http_agrees(a.url, keys, ledger)
+    assert assert_http_agrees(b.url, keys, ledger) == present
+    assert set(present) == set(keys) and all(present[k] in acked[k] for k in keys)
+    rows = asyncio.run(_pg_rows(db_url))
+    named = {f"{k}.v{s}" for k, (_, _, s) in rows.items()}
+    deadline = time.monotonic() + 30
+    while True:  # replaced versions are deleted a few seconds after their row stopped naming them
+        objects = asyncio.run(_s3_objects(moto_server, bucket, "kv/"))
+        stale = {n for n in objects if ".bin" in n} - named
+        if not stale or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert not stale, f"{len(stale)} version objects no row names"
+    for key, (size, digest, stamp) in rows.items():
+        data = objects[f"{key}.v{stamp}"]  # the row names its version's own object
+        assert (len(data), sha(data)) == (size, digest)
+
+
+def test_create_only_across_replicas(racing_replicas: tuple[Gateway, Gateway, str, str]) -> None:
+    """8 ``If-None-Match: *`` PUTs of one new key through each replica, 10 rounds: exactly one 201 in all."""
+    a, b, _, _ = racing_replicas
+
+    async def race() -> list[int]:
+        wins = []
+        async with httpx.AsyncClient(timeout=30) as c:
+            for rnd in range(10):
+                url = f"/v1/blocks/{key_for(20_000 + rnd)}"
+                bodies = [random_bytes(4096, rnd * 100 + w) for w in range(16)]
+                rs = await asyncio.gather(
+                    *(
+                        c.put((a.url if w % 2 else b.url) + url, content=body, headers={"If-None-Match": "*"})
+                        for w, body in enumerate(bodies)
+                    )
+                )
+                codes = [r.status_code for r in rs]
+                assert set(codes) <= {201, 412}, codes
+                winner = next(body for body, r in zip(bodies, rs, strict=True) if r.status_code == 201)
+                for gw in (a, b):
+                    assert (await c.get(gw.url + url)).content == winner
+                wins.append(codes.count(201))
+        return wins
+
+    assert asyncio.run(race()) == [1] * 10

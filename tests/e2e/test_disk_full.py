@@ -1,0 +1,71 @@
+"""Disk full with the blocks AND the SQLite index on one small real tmpfs: a refused PUT leaves nothing behind.
+
+Every PUT is answered 201/200 (then it must survive a restart byte for byte), or 507/503 (then nothing of it may
+be served, now or after the restart's reconcile, unless a later PUT of the same key was acknowledged).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import key_for, random_bytes, sha
+from tests.e2e.races import assert_fs_agrees
+from tests.gateway import Gateway
+from tests.services import require_or_skip
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mnt)], capture_output=True)
+    if proc.returncode != 0:
+        require_or_skip(f"cannot mount a tmpfs here (root needed): {proc.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_disk_full_with_index_on_the_same_filesystem(small_tmpfs: Path) -> None:
+    gw = Gateway(small_tmpfs / "data", env={"KVGATE_BACKEND__KIND": "fs", "KVGATE_BACKEND__FSYNC": "true"}).start()
+    acked: dict[str, str] = {}
+    refused: dict[str, set[str]] = {}
+    try:
+        with httpx.Client(base_url=gw.url, timeout=30) as c:
+            for i in range(60):  # 200-300 KiB blocks (and overwrites) into 6 MiB that also holds the index
+                key = key_for(i % 40)
+                data = random_bytes(200_000 + 2000 * i, i)
+                r = c.put(f"/v1/blocks/{key}", content=data)
+                if r.status_code in (200, 201):
+                    acked[key] = sha(data)
+                    refused.pop(key, None)
+                else:
+                    assert r.status_code in (503, 507), r.text
+                    assert r.json()["error"]["code"] in ("insufficient_storage", "index_unavailable")
+                    refused.setdefault(key, set()).add(sha(data))
+            assert refused, "the filesystem never filled up"
+            for key, digests in refused.items():
+                got = c.get(f"/v1/blocks/{key}")
+                assert got.status_code == 404 or sha(got.content) not in digests
+    finally:
+        gw.stop()
+    gw.start()
+    try:
+        with httpx.Client(base_url=gw.url, timeout=30) as c:
+            for key, digest in acked.items():
+                got = c.get(f"/v1/blocks/{key}")
+                assert got.status_code == 200 and sha(got.content) == digest, key
+            for key in refused:
+                if key not in acked:
+                    assert c.head(f"/v1/blocks/{key}").status_code == 404, f"a refused PUT of {key} was adopted"
+        rows = assert_fs_agrees(gw.data_dir)
+        assert {k: d for k, (_, d) in rows.items()} == acked
+        assert not list((small_tmpfs / "data").rglob(".kvgate-tmp-*"))
+    finally:
+        gw.stop()

@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -36,10 +36,11 @@ from app.errors import (
     PreconditionFailed,
     VersionMismatch,
 )
-from app.index import BlockRecord, Candidate, Index
+from app.index import BlockRecord, Index
 from app.keystate import BlockMeta, KeyLocks, MetaCache
 from app.parts import ByteSpan, PartAssembler, PartOutcome
 from app.reads import OpenBlock
+from app.removal import Removal
 from app.storage import BlockStore
 from app.storage.base import BodyChecker, Staged
 from connector.protocol import (
@@ -55,11 +56,7 @@ log = logging.getLogger("kvgate.service")
 
 MAX_CONFIG_BYTES = 64 * 1024
 """The largest namespace config (a run's FileMapper fields are a few hundred bytes to a few KiB)."""
-REMOVE_CONCURRENCY = 16
 OPEN_ATTEMPTS = 3
-RETIRE_AFTER_S = 5.0
-"""A replaced or removed S3 version object is deleted this long after its row stopped naming it, so that a GET that
-opened it just before has started reading it (an S3 GET in progress reads to the end after a delete)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,13 +71,6 @@ class Counters:
 
     hits: int = 0
     misses: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class PurgeReport:
-    blocks: int
-    bytes: int
-    config: bool
 
 
 class CapacityHook(Protocol):
@@ -107,7 +97,7 @@ def _meta(record: BlockRecord) -> BlockMeta:
     return BlockMeta(key=record.key, size=record.size, digest=record.digest, stamp=record.stamp)
 
 
-class BlockService:
+class BlockService(Removal):
     def __init__(self, *, store: BlockStore, index: Index, cache: MetaCache) -> None:
         self.store = store
         self.index = index
@@ -266,20 +256,6 @@ class BlockService:
         self._usage(key.namespace, 0 if old else 1, record.size - (old.size if old else 0))
         return PutResult(meta=meta, created=old is None)
 
-    def _retire(self, key: str, stamp: str | None) -> None:
-        """Delete a version object (S3) that no row names any more, after RETIRE_AFTER_S."""
-
-        async def later() -> None:
-            await asyncio.sleep(RETIRE_AFTER_S)
-            try:
-                await self.store.remove(key, stamp=stamp)
-            except KVGateError as exc:  # an object no row names: reconcile removes it
-                log.warning("could not remove retired version key=%s stamp=%s: %s", key, stamp, exc)
-
-        task = asyncio.get_running_loop().create_task(later(), name="kvgate-retire")
-        self._retiring.add(task)
-        task.add_done_callback(self._retiring.discard)
-
     async def put_part(
         self, key: BlockKey, body: AsyncIterable[bytes], *, span: ByteSpan, part_digest: str | None, create_only: bool
     ) -> PartOutcome:
@@ -293,152 +269,6 @@ class BlockService:
         finally:
             if admitted and self.capacity is not None:
                 self.capacity.release(namespace=key.namespace, size=span.size)
-
-    # -- removal ----------------------------------------------------------------------------------------------
-
-    async def _remove_locked(self, key: str, *, expect: Candidate | None = None) -> BlockRecord | None:
-        """Remove the key's row, then its data; with ``expect``, only if the row still names that version."""
-        if expect is None:
-            old = await self.index.remove_block(key)
-        else:
-            old = await self.index.remove_block(key, stamp=expect.stamp, any_version=False)
-        if old is None:
-            return None
-        self._usage(old.namespace, -1, -old.size)
-        if self._versioned:
-            self._retire(key, old.stamp)
-            return old
-        try:
-            await self.store.remove(key, stamp=old.stamp)  # the filesystem: an open reader's fd keeps its inode
-        except KVGateError as exc:  # data without a row: reconcile adopts or removes it
-            log.warning("row removed, data not key=%s: %s", key, exc)
-        return old
-
-    async def delete(self, key: BlockKey) -> None:
-        path = key.path
-
-        async def run() -> bool:
-            async with self._changing(path):
-                old = await self._remove_locked(path)
-                dropped = await self.parts.drop(path)
-                orphan = False if old is not None else await self.store.delete(path)  # data no row described
-                return old is not None or orphan or dropped > 0
-
-        if not await asyncio.shield(run()):
-            raise BlockNotFound(path)
-
-    async def evict(self, candidates: Sequence[Candidate]) -> list[Candidate]:
-        """Remove each candidate whose row still names the version chosen; the ones removed."""
-        sem = asyncio.Semaphore(REMOVE_CONCURRENCY)
-
-        async def one(c: Candidate) -> bool:
-            async with sem, self._changing(c.key):
-                return await self._remove_locked(c.key, expect=c) is not None
-
-        done = await asyncio.gather(*(one(c) for c in candidates))
-        return [c for c, ok in zip(candidates, done, strict=True) if ok]
-
-    async def purge(self, namespace: str) -> PurgeReport:
-        """Remove a namespace: its blocks (rows, then data), data no row describes, incomplete uploads, config."""
-        try:
-            parse_namespace(namespace)
-        except InvalidKey as exc:
-            raise InvalidRequest(str(exc)) from exc
-        blocks = await self.index.namespace_blocks(namespace)
-        has_config = await self.index.get_namespace(namespace) is not None
-        known = {k for k, _ in blocks}
-        orphans: list[str] = []
-        async for info in self.store.list(prefix=f"{namespace}_r"):
-            with contextlib.suppress(InvalidKey):
-                if parse_block_key(info.key).namespace == namespace and info.key not in known:
-                    orphans.append(info.key)
-        uploads = [k for k in await self.index.part_bytes() if k.startswith(f"{namespace}_r")]
-        if not blocks and not has_config and not orphans and not uploads:
-            raise NamespaceNotFound(namespace)
-        sem = asyncio.Semaphore(REMOVE_CONCURRENCY)
-
-        async def one(key: str) -> int:
-            async with sem, self._changing(key):
-                old = await self._remove_locked(key)
-                await self.parts.drop(key)
-                if old is None:
-                    await self.store.delete(key)
-                return 0 if old is None else old.size
-
-        sizes = await asyncio.gather(*(one(k) for k in sorted({*known, *orphans, *uploads})))
-        removed = sum(1 for s in sizes if s)
-        if has_config:
-            await self.store.delete(config_path(namespace))
-            await self.index.delete_namespace(namespace)
-        self._layouts.pop(namespace, None)
-        return PurgeReport(blocks=removed, bytes=sum(sizes), config=has_config)
-
-    # -- adoption and repair ----------------------------------------------------------------------------------
-
-    async def adopt(self, key: BlockKey) -> BlockMeta | None:
-        """Record the data stored under ``key`` as it is now (re-read and hashed); None if there is none."""
-        async with self._changing(key.path):
-            return await self._adopt_locked(key)
-
-    async def _adopt_locked(self, key: BlockKey) -> BlockMeta | None:
-        try:
-            stored = await self.store.digest(key.path)
-        except BlockNotFound:
-            old = await self._remove_locked(key.path)
-            if old is not None:
-                log.warning("repair: no data for key=%s, row dropped", key.path)
-            return None
-        now = time.time()
-        record = BlockRecord(
-            key=key.path,
-            namespace=key.namespace,
-            rank=key.rank,
-            group=key.group,
-            size=stored.size,
-            digest=stored.digest,
-            created_at=now,
-            last_access=now,
-            hits=0,
-            stamp=stored.stamp,
-        )
-        swap = await self.index.swap_block(record, create_only=False)
-        old = swap.old
-        if not swap.written and old is not None and old.stamp != stored.stamp:  # same bytes, another stamp
-            await self.index.adopt_many([record])
-        self._usage(key.namespace, 0 if old else 1, stored.size - (old.size if old else 0))
-        return BlockMeta(key=key.path, size=stored.size, digest=stored.digest, stamp=stored.stamp)
-
-    async def repair(self, key: BlockKey) -> None:
-        """Make the row of ``key`` describe what is stored: on a filesystem re-read the file (a crash between the
-        row and the rename leaves the file of the other version); on S3 drop a row whose version object is gone."""
-        async with self._changing(key.path):
-            if not self._versioned:
-                await self._adopt_locked(key)
-                return
-            record = await self.index.get(key.path)
-            if record is None:
-                return
-            try:
-                reader = await self.store.open(key.path, stamp=record.stamp)
-            except BlockNotFound:
-                if await self.index.remove_block(key.path, stamp=record.stamp, any_version=False) is not None:
-                    self._usage(record.namespace, -1, -record.size)
-                    log.warning("repair: version object gone key=%s stamp=%s, row dropped", key.path, record.stamp)
-                return
-            await reader.aclose()
-
-    async def adopt_records(self, records: Iterable[BlockRecord]) -> None:
-        """Record versions reconcile found and hashed (before the gateway serves, or from ``kvgate gc``)."""
-        records = list(records)
-        await self.index.adopt_many(records)
-        for r in records:
-            self.cache.drop(r.key)
-
-    async def forget(self, keys: Sequence[str]) -> int:
-        """Drop rows whose data is gone (reconcile)."""
-        for key in keys:
-            self.cache.drop(key)
-        return await self.index.delete_blocks(keys)
 
     # -- reads ------------------------------------------------------------------------------------------------
 

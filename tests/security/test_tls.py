@@ -178,3 +178,39 @@ def test_client_certificate_files_that_do_not_load_fail_at_construction(pki: Pki
         client_for("https://localhost:1", ca=tmp_path / "missing.pem")
     with pytest.raises(GatewayTLSError, match="cannot load the TLS files"):
         client_for("https://localhost:1", ca=pki.ca, cert=(pki.node[0], pki.stranger[1]))  # key of another cert
+
+
+def test_cli_commands_take_the_tls_options(mtls: TlsGateway, pki: Pki, tmp_path: Path) -> None:
+    """``kvgate stats`` / ``ls`` / ``purge`` and ``bench`` with --cacert/--cert/--key (or their env variables)."""
+    import sys
+
+    from typer.testing import CliRunner
+
+    from app.cli import cli
+    from tests.gateway import REPO
+
+    runner = CliRunner()
+    tls = ["--cacert", str(pki.ca), "--cert", str(pki.node[0]), "--key", str(pki.node[1])]
+    wide = {"COLUMNS": "250", "NO_COLOR": "1"}
+    st = runner.invoke(cli, ["stats", "--url", mtls.url, *tls], env=wide)
+    assert st.exit_code == 0 and "namespaces" in st.output, st.output
+    env = {**wide, "KVGATE_URL": mtls.url, "KVGATE_CACERT": str(pki.ca)}
+    env |= {"KVGATE_CLIENT_CERT": str(pki.node[0]), "KVGATE_CLIENT_KEY": str(pki.node[1])}
+    assert runner.invoke(cli, ["ls"], env=env).exit_code == 0
+    from tests.security.conftest import OTHER_NS
+
+    with client_for(mtls.url, ca=pki.ca, cert=pki.node) as bc:
+        assert bc.run(bc.put(key_for(900, namespace=OTHER_NS), b"x" * 1000))
+    purge = runner.invoke(cli, ["purge", "--yes", OTHER_NS], env=env)
+    assert purge.exit_code == 0 and "1 blocks" in purge.output, purge.output
+    refused = runner.invoke(cli, ["stats", "--url", mtls.url, "--cacert", str(pki.ca)], env=wide)
+    assert refused.exit_code == 2 and "cannot reach" in refused.output  # no client certificate: no connection
+
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "app", "bench", "--url", mtls.url, *tls, "-n", "8", "-c", "4"]
+    cmd += ["--block-size", "65536", "--json", str(out), "--quiet"]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(out.read_text())
+    assert result["errors"] == 0 and result["verify_failures"] == 0
+    assert result["phases"][1]["ops"]["get"]["ok"] == 8

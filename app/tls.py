@@ -201,20 +201,26 @@ def serve(config: uvicorn.Config, *, reloader: CertReloader | None) -> bool:
 
 def bind_warnings(settings: Settings) -> list[str]:
     """The start-up rule on transport security: a non-loopback bind without TLS is warned about, or refused
-    (ValueError) with ``require_tls``."""
-    from app.auth import is_loopback
+    (ValueError) with ``require_tls``; certificate principals without client certificates are warned about."""
+    from app.auth import is_loopback, load_tokens
 
+    warnings = []
+    if settings.tls_client_ca is None and any(s.cert_subject or s.cert_san for s in load_tokens(settings)):
+        warnings.append(
+            "the tokens name client certificates (cert_subject / cert_san) but KVGATE_TLS_CLIENT_CA is not set: "
+            "no client certificate is asked for, so those principals can never authenticate"
+        )
     if settings.tls_enabled:
-        return []
+        return warnings
     if settings.require_tls:
         raise ValueError(
             "refusing to start without TLS (KVGATE_REQUIRE_TLS is set): set KVGATE_TLS_CERTFILE and "
             "KVGATE_TLS_KEYFILE (see the README's TLS section)"
         )
-    if is_loopback(settings.host):
-        return []
-    return [
-        f"listening on {settings.host} without TLS: bearer tokens and KV blocks (the users' prompts in another "
-        "form) cross the network in clear text, readable and alterable by anyone on the path. Set "
-        "KVGATE_TLS_CERTFILE / KVGATE_TLS_KEYFILE, and KVGATE_REQUIRE_TLS=true to make this an error."
-    ]
+    if not is_loopback(settings.host):
+        warnings.append(
+            f"listening on {settings.host} without TLS: bearer tokens and KV blocks (the users' prompts in another "
+            "form) cross the network in clear text, readable and alterable by anyone on the path. Set "
+            "KVGATE_TLS_CERTFILE / KVGATE_TLS_KEYFILE, and KVGATE_REQUIRE_TLS=true to make this an error."
+        )
+    return warnings

@@ -269,8 +269,9 @@ class BlockClient:
                         continue
                     return resp.status, (resp.headers, body)
             except (aiohttp.ClientConnectionError, ConnectionError) as exc:
-                if (tls := tls_failure(exc)) is not None:
+                if (tls := tls_failure(exc)) is not None:  # configuration: no retry, and a pause as for an outage
                     log.error("TLS to the gateway %s failed: %s", self.config.base_url, tls)
+                    self._down_until = time.monotonic() + self.config.down_cooldown_s
                     raise GatewayTLSError(f"{method} {path[:120]}: TLS failed: {tls}") from exc
                 last = f"{type(exc).__name__}: {exc}"
                 refused = isinstance(exc, aiohttp.ClientConnectorError)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -13,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.config import Settings
+from app.config import Settings, TokenSpec
 from app.tls import bind_warnings
 from tests.conftest import key_for, random_bytes
 from tests.gateway import REPO, free_port
@@ -127,3 +128,23 @@ def test_non_loopback_bind_without_tls_is_warned_about(tmp_path: Path) -> None:
     assert bind_warnings(Settings(host="10.1.2.3", tls_certfile=cert)) == []
     with pytest.raises(ValueError, match="without TLS"):
         bind_warnings(Settings(host="10.1.2.3", require_tls=True))
+    with pytest.raises(ValueError, match="without TLS"):
+        bind_warnings(Settings(host="127.0.0.1", require_tls=True))
+    cert_only = TokenSpec(name="node", cert_subject="CN=node", role="read")
+    (warning,) = bind_warnings(Settings(tokens=[cert_only], tls_certfile=cert))
+    assert "KVGATE_TLS_CLIENT_CA is not set" in warning
+    assert bind_warnings(Settings(tokens=[cert_only], tls_certfile=cert, tls_client_ca=cert)) == []
+
+
+def test_minimum_tls_version(tmp_path: Path) -> None:
+    """KVGATE_TLS_MIN_VERSION=1.3: a client that speaks at most TLS 1.2 gets no connection; 1.3 does."""
+    ca = CA()
+    gw, ca_path = start(tmp_path, ca, ca.issue("kvgate", server=True), KVGATE_TLS_MIN_VERSION="1.3")
+    try:
+        old = client_context(ca=ca_path)
+        old.maximum_version = ssl.TLSVersion.TLSv1_2
+        with pytest.raises(httpx.ConnectError):  # the handshake ends without a connection
+            httpx.get(f"{gw.url}/healthz", verify=old)
+        assert httpx.get(f"{gw.url}/healthz", verify=client_context(ca=ca_path)).status_code == 200
+    finally:
+        gw.stop()

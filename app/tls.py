@@ -26,6 +26,7 @@ import ssl
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from app.cert_identity import subject_name
 from app.config import Settings
 
 if TYPE_CHECKING:
@@ -107,6 +108,8 @@ class CertReloader:
         return self.reload(why="files changed")
 
     async def watch(self, *, interval_s: float) -> None:
+        """Poll the files' stat; reload on the event loop's thread, the one that starts every handshake (an
+        SSL_CTX must not change under a handshake in another thread; reading two PEM files takes well under 1 ms)."""
         while True:
             await asyncio.sleep(interval_s)
             self.reload_if_changed()
@@ -120,8 +123,6 @@ def tls_extension(ssl_object: ssl.SSLObject | ssl.SSLSocket | None) -> dict[str,
     verified client certificate as ``getpeercert()`` parses it; None without one)."""
     if ssl_object is None:
         return None
-    from app.cert_identity import subject_name
-
     peercert = ssl_object.getpeercert() or None  # {} when none was presented or verification is off
     der = ssl_object.getpeercert(binary_form=True) if peercert else None
     version = ssl_object.version()

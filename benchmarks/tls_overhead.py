@@ -4,8 +4,10 @@
 
 Starts three gateways on loopback (filesystem backend, each its own data dir): plain, HTTPS (server certificate,
 ECDSA P-256, made here), and HTTPS requiring client certificates; then runs ``kvgate bench`` (one client process,
-aiohttp) against each in turn, PUT then GET (every GET verified by sha256), and prints MB/s and the ratio to plain.
-Client and servers share this machine's cores; the figures say how many there were. CI does not run this.
+aiohttp) against each in turn, PUT then GET (every GET verified by sha256), for ``--rounds`` rounds interleaved
+(plain, TLS, mutual TLS, plain, ...) so that load from elsewhere on the machine falls on all three alike, and prints
+the median MB/s, the spread, and the ratio to plain. Client and servers share this machine's cores; the figures say
+how many there were. CI does not run this.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,6 +42,7 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=96, help="requests per phase")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--block-size", type=int, default=2 * 1024 * 1024)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="kvgate-tls-bench-") as tmp:
@@ -57,25 +61,33 @@ def main() -> None:
             ("TLS", TlsGateway(root / "tls", ca=ca_path, env=tls_env), server_auth),
             ("mutual TLS", TlsGateway(root / "mtls", ca=ca_path, ready_cert=node, env=mtls_env), mutual),
         ]
-        figures: dict[str, dict[str, Any]] = {}
-        for name, gw, tls in runs:
-            gw.start()
-            try:
-                figures[name] = bench(gw.url, root / f"{name}.json", args, tls)
-            finally:
+        figures: dict[str, dict[str, list[float]]] = {name: {"put": [], "get": []} for name, _gw, _tls in runs}
+        try:
+            for _name, gw, _tls in runs:
+                gw.start()
+            for r in range(args.rounds):
+                for name, gw, tls in runs:
+                    ops = bench(gw.url, root / f"{name}-{r}.json", args, tls)
+                    for op in ("put", "get"):
+                        figures[name][op].append(ops[op]["mb_s"])
+        finally:
+            for _name, gw, _tls in runs:
                 gw.stop()
 
     print(
         f"\nkvgate over TLS: {args.count} x {args.block_size} B per op, concurrency {args.concurrency}, "
-        f"{os.cpu_count()} cores shared by client and server, aiohttp client, one run"
+        f"{os.cpu_count()} cores shared by client and server, aiohttp client, {args.rounds} rounds interleaved"
     )
-    print(f"{'transport':<12} {'PUT MB/s':>9} {'GET MB/s':>9} {'PUT/plain':>10} {'GET/plain':>10}")
-    base = figures["plain HTTP"]
+    head = ["PUT MB/s (min-max)", "GET MB/s (min-max)"]
+    print(f"{'transport':<12} {head[0]:>22} {head[1]:>22} {'PUT/plain':>10} {'GET/plain':>10}")
+    base = {op: statistics.median(figures["plain HTTP"][op]) for op in ("put", "get")}
     for name, ops in figures.items():
-        put, get = ops["put"]["mb_s"], ops["get"]["mb_s"]
-        print(
-            f"{name:<12} {put:>9.1f} {get:>9.1f} {put / base['put']['mb_s']:>10.2f} {get / base['get']['mb_s']:>10.2f}"
-        )
+        cells = []
+        for op in ("put", "get"):
+            med = statistics.median(ops[op])
+            cells.append(f"{med:.1f} ({min(ops[op]):.0f}-{max(ops[op]):.0f})")
+        ratios = [statistics.median(ops[op]) / base[op] for op in ("put", "get")]
+        print(f"{name:<12} {cells[0]:>22} {cells[1]:>22} {ratios[0]:>10.2f} {ratios[1]:>10.2f}")
 
 
 if __name__ == "__main__":

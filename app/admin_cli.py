@@ -12,6 +12,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from app.tls_client import CaCert, ClientCert, ClientKey, ClientTLS
+
 DEFAULT_URL = "http://127.0.0.1:8750"
 Url = Annotated[str, typer.Option("--url", envvar="KVGATE_URL", help="the gateway [env KVGATE_URL]")]
 Token = Annotated[
@@ -38,12 +40,13 @@ def _when(ts: float | None) -> str:
     return dt.datetime.fromtimestamp(ts, tz=dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
 
 
-def _call(method: str, url: str, path: str, token: str | None) -> Any:
+def _call(method: str, url: str, path: str, token: str | None, tls: ClientTLS | None = None) -> Any:
     import httpx
 
     headers = {"Authorization": f"Bearer {token}"} if token else {}
+    verify = (tls or ClientTLS()).context()
     try:
-        resp = httpx.request(method, f"{url.rstrip('/')}{path}", headers=headers, timeout=60.0)
+        resp = httpx.request(method, f"{url.rstrip('/')}{path}", headers=headers, timeout=60.0, verify=verify)
     except httpx.HTTPError as exc:
         console.print(f"[red]cannot reach {url}: {exc}[/red]")
         raise typer.Exit(2) from exc
@@ -57,9 +60,11 @@ def _call(method: str, url: str, path: str, token: str | None) -> Any:
     return resp.json()
 
 
-def ls(url: Url = DEFAULT_URL, token: Token = None) -> None:
+def ls(
+    url: Url = DEFAULT_URL, token: Token = None, cacert: CaCert = None, cert: ClientCert = None, key: ClientKey = None
+) -> None:
     """Namespaces on a running gateway: blocks, bytes, hits, never-read share."""
-    data = _call("GET", url, "/v1/namespaces", token)
+    data = _call("GET", url, "/v1/namespaces", token, ClientTLS(cacert=cacert, cert=cert, key=key))
     table = Table(title=f"kvgate namespaces at {url}")
     for col in ("namespace", "blocks", "bytes", "hits", "never read", "last write", "config"):
         table.add_column(col, justify="left" if col == "namespace" else "right")
@@ -78,9 +83,11 @@ def ls(url: Url = DEFAULT_URL, token: Token = None) -> None:
     console.print(table)
 
 
-def stats(url: Url = DEFAULT_URL, token: Token = None) -> None:
+def stats(
+    url: Url = DEFAULT_URL, token: Token = None, cacert: CaCert = None, cert: ClientCert = None, key: ClientKey = None
+) -> None:
     """Usage, capacity, hits, misses and evictions of a running gateway."""
-    s = _call("GET", url, "/v1/stats", token)
+    s = _call("GET", url, "/v1/stats", token, ClientTLS(cacert=cacert, cert=cert, key=key))
     table = Table(title=f"kvgate stats at {url}", show_header=False)
     table.add_column("what")
     table.add_column("value", justify="right")
@@ -106,11 +113,15 @@ def purge(
     url: Url = DEFAULT_URL,
     token: Token = None,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="do not ask")] = False,
+    cacert: CaCert = None,
+    cert: ClientCert = None,
+    key: ClientKey = None,
 ) -> None:
     """Remove a namespace's blocks, rows and config from a running gateway."""
     if not yes and not typer.confirm(f"purge every block of {namespace}?"):
         raise typer.Exit(1)
-    r = _call("DELETE", url, f"/v1/namespaces/{namespace}", token)
+    tls = ClientTLS(cacert=cacert, cert=cert, key=key)
+    r = _call("DELETE", url, f"/v1/namespaces/{namespace}", token, tls)
     console.print(f"purged {r['namespace']}: {r['blocks']} blocks, {_human(r['bytes'])}, config={r['config']}")
 
 

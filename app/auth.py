@@ -31,9 +31,11 @@ from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api.errors import response_for
+from app.cert_identity import CertPrincipals
 from app.config import Settings, TokenSpec
 from app.errors import Forbidden, PayloadTooLarge, Unauthorized
 from app.limits import extend_openapi
+from app.tls import peer_cert
 from connector.protocol import MAX_KEY_LEN, InvalidKey, parse_block_key, parse_config_key, parse_namespace
 
 log = logging.getLogger("kvgate.auth")
@@ -91,21 +93,19 @@ class Principal:
     """None: every namespace."""
 
 
+def principal_of(spec: TokenSpec) -> Principal:
+    return Principal(
+        name=spec.name,
+        role=Role[spec.role],
+        namespaces=None if spec.namespaces is None else frozenset(spec.namespaces),
+    )
+
+
 class TokenTable:
     """Presented token -> Principal, by sha256 digest, compared in constant time with every entry."""
 
     def __init__(self, specs: Iterable[TokenSpec]) -> None:
-        self._entries = [
-            (
-                spec.sha256.lower().encode(),
-                Principal(
-                    name=spec.name,
-                    role=Role[spec.role],
-                    namespaces=None if spec.namespaces is None else frozenset(spec.namespaces),
-                ),
-            )
-            for spec in specs
-        ]
+        self._entries = [(spec.sha256.lower().encode(), principal_of(spec)) for spec in specs if spec.sha256]
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -142,6 +142,10 @@ def load_tokens(settings: Settings) -> list[TokenSpec]:
     if len(set(names)) != len(names):
         raise ValueError("token names must be unique")
     for spec in specs:
+        try:
+            CertPrincipals([spec])
+        except ValueError as exc:
+            raise ValueError(f"token {spec.name!r}: {exc}") from exc
         for ns in spec.namespaces or ():
             try:
                 parse_namespace(ns)
@@ -160,12 +164,15 @@ def is_loopback(host: str) -> bool:
 
 
 def check_bind(settings: Settings) -> None:
-    """Refuse to serve a non-loopback address without tokens (raises ValueError with the reason)."""
+    """Refuse to serve a non-loopback address without principals (raises ValueError with the reason).
+
+    The transport half of the rule (TLS) is :func:`app.tls.bind_warnings`.
+    """
     if not is_loopback(settings.host) and not load_tokens(settings):
         raise ValueError(
             f"refusing to listen on {settings.host}: no tokens are configured, so anyone who can reach it could "
-            "read and delete every block. Set KVGATE_TOKENS or KVGATE_TOKENS_FILE (see `kvgate token new`), "
-            "or bind 127.0.0.1."
+            "read and delete every block. Set KVGATE_TOKENS or KVGATE_TOKENS_FILE (see `kvgate token new`; an "
+            "entry may name a client certificate instead), or bind 127.0.0.1."
         )
 
 
@@ -244,9 +251,10 @@ def _bearer(scope: Scope) -> str | None:
 class AuthMiddleware:
     """Authenticate and authorize every HTTP request before any route runs (and before a body is read)."""
 
-    def __init__(self, app: ASGIApp, *, tokens: TokenTable, settings: Settings) -> None:
+    def __init__(self, app: ASGIApp, *, tokens: TokenTable, certs: CertPrincipals, settings: Settings) -> None:
         self.app = app
         self.tokens = tokens
+        self.certs = certs
         self.metrics_public = settings.metrics_public
         self.max_body = settings.max_lookup_keys * (MAX_KEY_LEN + 8) + 4096
         self._routes: list[RouteShape] | None = None
@@ -279,9 +287,11 @@ class AuthMiddleware:
             await self.app(scope, receive, send)
             return
         token = _bearer(scope)
-        principal = self.tokens.authenticate(token) if token is not None else None
+        if token is not None:
+            principal, reason = self.tokens.authenticate(token), "the bearer token is not valid"
+        else:
+            principal, reason = self._cert_principal(scope)
         if principal is None:
-            reason = "a bearer token is required" if token is None else "the bearer token is not valid"
             await response_for(Unauthorized(reason))(scope, receive, send)
             return
         if principal.role < need:
@@ -308,9 +318,14 @@ class AuthMiddleware:
                 return
         await self.app(scope, receive, send)
 
+    def _cert_principal(self, scope: Scope) -> tuple[Principal | None, str]:
+        """The principal the connection's verified client certificate names (a bearer token takes precedence)."""
+        spec, reason = self.certs.authenticate(peer_cert(scope))
+        return (principal_of(spec) if spec is not None else None), reason
+
     async def _deny(self, scope: Scope, receive: Receive, send: Send, who: Principal, why: str) -> None:
-        log.info("forbidden token=%s method=%s path=%s: %s", who.name, scope["method"], scope["path"][:200], why)
-        await response_for(Forbidden(f"token {who.name!r} may not do this: the request {why}"))(scope, receive, send)
+        log.info("forbidden principal=%s method=%s path=%s: %s", who.name, scope["method"], scope["path"][:200], why)
+        await response_for(Forbidden(f"{who.name!r} may not do this: the request {why}"))(scope, receive, send)
 
 
 async def _read_body(receive: Receive, *, limit: int) -> bytes:
@@ -382,7 +397,7 @@ def install(app: FastAPI, settings: Settings) -> None:
     """Enforce tokens when any are configured (else auth is off: ``kvgate serve`` allows that on loopback only)."""
     specs = load_tokens(settings)
     if specs:
-        app.add_middleware(AuthMiddleware, tokens=TokenTable(specs), settings=settings)
+        app.add_middleware(AuthMiddleware, tokens=TokenTable(specs), certs=CertPrincipals(specs), settings=settings)
     else:
         log.warning("no tokens configured: authentication is off (loopback only)")
     extend_openapi(app, lambda spec: secure_spec(spec, metrics_public=settings.metrics_public))

@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 import typer
 
 from app.bench_clients import Client, make_client
+from app.tls_client import CaCert, ClientCert, ClientKey, ClientTLS
 from connector.protocol import block_path
 
 NAMESPACE = "kvgate-bench_000000000000"
@@ -78,6 +79,9 @@ class BenchConfig:
     lookup_batch: int = 32
     seed: int = 0
     timeout_s: float = 120.0
+    cacert: str | None = None
+    cert: str | None = None
+    key: str | None = None
 
     @property
     def key_space(self) -> int:
@@ -252,7 +256,18 @@ async def run_bench(cfg: BenchConfig, *, progress: bool = True) -> dict[str, Any
         if cfg.mix
         else [(op, n, None) for op, n in parse_phases(cfg.phases, cfg.count)]
     )
-    client = make_client(cfg.client, base_url=cfg.url, concurrency=cfg.concurrency, timeout_s=cfg.timeout_s)
+    tls = ClientTLS(
+        cacert=Path(cfg.cacert) if cfg.cacert else None,
+        cert=Path(cfg.cert) if cfg.cert else None,
+        key=Path(cfg.key) if cfg.key else None,
+    )
+    client = make_client(
+        cfg.client,
+        base_url=cfg.url,
+        concurrency=cfg.concurrency,
+        timeout_s=cfg.timeout_s,
+        tls=tls.context() if cfg.url.startswith("https://") else None,
+    )
     results: list[dict[str, Any]] = []
     runner = Runner(cfg, client)
     try:
@@ -346,6 +361,9 @@ def bench_command(
     seed: Annotated[int, typer.Option(help="seed for keys, bytes and picks")] = 0,
     json_out: Annotated[Path | None, typer.Option("--json", help="write the result here")] = None,
     quiet: Annotated[bool, typer.Option(help="no progress bar or table")] = False,
+    cacert: CaCert = None,
+    cert: ClientCert = None,
+    key: ClientKey = None,
 ) -> None:
     """Load-test a gateway: MB/s, req/s, p50/p99 per op; every GET is checked by sha256."""
     if target not in ("kvgate", "webdav"):
@@ -372,6 +390,9 @@ def bench_command(
         zipf_s=zipf_s,
         lookup_batch=lookup_batch,
         seed=seed,
+        cacert=str(cacert) if cacert else None,
+        cert=str(cert) if cert else None,
+        key=str(key) if key else None,
     )
     result = _run(run_bench(cfg, progress=not quiet))
     if json_out is not None:

@@ -6,6 +6,7 @@ GET bodies are hashed chunk by chunk as they arrive (no joined copy of the body)
 from __future__ import annotations
 
 import hashlib
+import ssl
 from typing import Any, Protocol
 
 
@@ -24,12 +25,12 @@ class Client(Protocol):
 
 
 class AiohttpClient:
-    def __init__(self, *, base_url: str, concurrency: int, timeout_s: float) -> None:
+    def __init__(self, *, base_url: str, concurrency: int, timeout_s: float, tls: ssl.SSLContext | None = None) -> None:
         import aiohttp
 
         self._session = aiohttp.ClientSession(
             base_url=base_url,
-            connector=aiohttp.TCPConnector(limit=concurrency, limit_per_host=concurrency),
+            connector=aiohttp.TCPConnector(limit=concurrency, limit_per_host=concurrency, ssl=tls or True),
             timeout=aiohttp.ClientTimeout(total=timeout_s),
             auto_decompress=False,
             skip_auto_headers=("Accept-Encoding", "User-Agent"),
@@ -65,11 +66,12 @@ class AiohttpClient:
 
 
 class HttpxClient:
-    def __init__(self, *, base_url: str, concurrency: int, timeout_s: float) -> None:
+    def __init__(self, *, base_url: str, concurrency: int, timeout_s: float, tls: ssl.SSLContext | None = None) -> None:
         import httpx
 
         self._client = httpx.AsyncClient(
             base_url=base_url,
+            verify=tls or True,
             limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
             timeout=timeout_s,
         )

@@ -26,8 +26,24 @@ def serve(
     data_dir: Annotated[Path | None, typer.Option(help="data root [env KVGATE_DATA_DIR; ./kvgate-data]")] = None,
     db_url: Annotated[str | None, typer.Option(help="index URL [env KVGATE_DB_URL; SQLite in data dir]")] = None,
     workers: Annotated[int, typer.Option(help="uvicorn worker processes (PostgreSQL index only)")] = 1,
+    tls_certfile: Annotated[
+        Path | None, typer.Option(help="serve HTTPS with this certificate chain, PEM [env KVGATE_TLS_CERTFILE]")
+    ] = None,
+    tls_keyfile: Annotated[
+        Path | None, typer.Option(help="the certificate's private key, PEM [env KVGATE_TLS_KEYFILE]")
+    ] = None,
+    tls_client_ca: Annotated[
+        Path | None,
+        typer.Option(help="CA bundle for client certificates; turns them on [env KVGATE_TLS_CLIENT_CA]"),
+    ] = None,
+    tls_client_auth: Annotated[
+        str | None, typer.Option(help="required | optional client certificate [env KVGATE_TLS_CLIENT_AUTH]")
+    ] = None,
+    tls_min_version: Annotated[
+        str | None, typer.Option(help="1.2 | 1.3 [env KVGATE_TLS_MIN_VERSION; default 1.2]")
+    ] = None,
 ) -> None:
-    """Run the gateway (uvicorn with uvloop and httptools)."""
+    """Run the gateway (uvicorn with uvloop and httptools); HTTPS with --tls-certfile (reloaded on SIGHUP or change)."""
     import uvicorn
 
     from app.auth import check_bind
@@ -35,8 +51,17 @@ def serve(
     from app.http_body import zero_copy_body
     from app.limits import bounded_httptools
     from app.main import create_app
+    from app.tls import CertReloader, bind_warnings, server_context, with_peer_cert
+    from app.tls import serve as serve_with_reload
 
     overrides: dict[str, Any] = {"host": host, "port": port, "data_dir": data_dir, "db_url": db_url}
+    overrides |= {
+        "tls_certfile": tls_certfile,
+        "tls_keyfile": tls_keyfile,
+        "tls_client_ca": tls_client_ca,
+        "tls_client_auth": tls_client_auth,
+        "tls_min_version": tls_min_version,
+    }
     settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
     if workers != 1:
         raise typer.BadParameter(
@@ -44,23 +69,32 @@ def serve(
         )
     try:
         check_bind(settings)
+        warnings = bind_warnings(settings)
+        context = server_context(settings) if settings.tls_enabled else None
     except ValueError as exc:
         typer.echo(f"kvgate: {exc}", err=True)
         raise typer.Exit(2) from exc
-    uvicorn.run(
+    for warning in warnings:
+        typer.echo(f"kvgate: WARNING: {warning}", err=True)
+    http = zero_copy_body(
+        bounded_httptools(max_header_bytes=settings.max_header_bytes, header_timeout_s=settings.header_timeout_s)
+    )
+    config = uvicorn.Config(
         create_app(settings),
         host=settings.host,
         port=settings.port,
         loop="uvloop",
-        http=zero_copy_body(
-            bounded_httptools(max_header_bytes=settings.max_header_bytes, header_timeout_s=settings.header_timeout_s)
-        ),
+        http=with_peer_cert(http) if settings.tls_client_ca is not None else http,
         h11_max_incomplete_event_size=settings.max_header_bytes,
         limit_concurrency=settings.limit_concurrency,
         log_level=settings.log_level,
         access_log=False,
         timeout_keep_alive=30,
+        ssl_context_factory=(lambda _config, _default: context) if context is not None else None,
     )
+    reloader = CertReloader(context=context, settings=settings) if context is not None else None
+    if not serve_with_reload(config, reloader=reloader):
+        raise typer.Exit(3)  # as uvicorn.run: the server did not start
 
 
 token_cli = typer.Typer(help="Bearer tokens: make one, hash one for KVGATE_TOKENS / KVGATE_TOKENS_FILE.")

@@ -51,12 +51,33 @@ Backend = Annotated[FsBackend | S3Backend | MemoryBackend, Field(discriminator="
 
 
 class TokenSpec(BaseModel):
-    """One bearer token, stored as the sha256 of its text (``kvgate token hash``), with a role and a scope."""
+    """One principal with a role and a scope: a bearer token, stored as the sha256 of its text (``kvgate token
+    hash``), and/or a client certificate, named by its subject or one of its subject alternative names."""
 
     name: str = Field(min_length=1)
-    sha256: str = Field(pattern=r"^[0-9a-fA-F]{64}$", description="hex sha256 of the token's UTF-8 text")
+    sha256: str | None = Field(
+        default=None, pattern=r"^[0-9a-fA-F]{64}$", description="hex sha256 of the token's UTF-8 text"
+    )
+    cert_subject: str | None = Field(
+        default=None,
+        min_length=1,
+        description="a verified client certificate with this subject (RFC 4514, as `openssl x509 -noout -subject "
+        "-nameopt RFC2253` prints it, e.g. CN=node-1,O=acme)",
+    )
+    cert_san: str | None = Field(
+        default=None,
+        pattern=r"^(?i:DNS|URI|IP|email):.+$",
+        description="a verified client certificate with this subject alternative name, TYPE:value "
+        "(DNS:node-1.cluster, URI:spiffe://cluster/node-1, IP:10.0.0.5, email:ops@example.org)",
+    )
     role: Literal["read", "write", "admin"]
     namespaces: list[str] | None = Field(default=None, description="namespaces it may touch; None: all")
+
+    @model_validator(mode="after")
+    def _has_a_credential(self) -> TokenSpec:
+        if self.sha256 is None and self.cert_subject is None and self.cert_san is None:
+            raise ValueError(f"principal {self.name!r} needs sha256, cert_subject or cert_san")
+        return self
 
 
 class Settings(BaseSettings):
@@ -109,6 +130,24 @@ class Settings(BaseSettings):
     limit_concurrency: int | None = Field(default=4096, gt=0, description="uvicorn: connections + tasks (503)")
     sqlite_busy_timeout_s: float = Field(default=30.0, ge=0, description="wait on a locked SQLite index")
 
+    tls_certfile: Path | None = Field(default=None, description="serve HTTPS with this certificate chain (PEM)")
+    tls_keyfile: Path | None = Field(default=None, description="its private key (PEM); default: in tls_certfile")
+    tls_client_ca: Path | None = Field(
+        default=None, description="CA bundle (PEM) for client certificates; set: clients may present one"
+    )
+    tls_client_auth: Literal["required", "optional"] = Field(
+        default="required", description="with tls_client_ca: must every client present a certificate"
+    )
+    tls_min_version: Literal["1.2", "1.3"] = "1.2"
+    tls_reload_interval_s: float = Field(
+        default=5.0, ge=0, description="re-read the certificate files when they change (and on SIGHUP); 0: SIGHUP only"
+    )
+    require_tls: bool = Field(default=False, description="refuse to start without TLS")
+
+    @property
+    def tls_enabled(self) -> bool:
+        return self.tls_certfile is not None
+
     @property
     def resolved_db_url(self) -> str:
         return self.db_url or f"sqlite+aiosqlite:///{(self.data_dir / 'index.db').resolve()}"
@@ -121,6 +160,12 @@ class Settings(BaseSettings):
     def _watermarks_ordered(self) -> Settings:
         if self.low_watermark > self.high_watermark:
             raise ValueError("low_watermark must not exceed high_watermark")
+        return self
+
+    @model_validator(mode="after")
+    def _tls_files_complete(self) -> Settings:
+        if self.tls_certfile is None and (self.tls_keyfile is not None or self.tls_client_ca is not None):
+            raise ValueError("tls_keyfile and tls_client_ca need tls_certfile")
         return self
 
     @model_validator(mode="after")

@@ -20,6 +20,7 @@ import concurrent.futures
 import hashlib
 import json
 import logging
+import ssl
 import threading
 import time
 from collections.abc import Coroutine, Sequence
@@ -47,6 +48,11 @@ class GatewayUnavailable(ConnectorError):
     """The gateway cannot be reached, or answered 5xx after the retries: an outage, not a miss."""
 
 
+class GatewayTLSError(ConnectorError):
+    """TLS failed: a certificate file that does not load, a server certificate this client does not trust, or a
+    client certificate the gateway refused. Configuration, not an outage: never retried."""
+
+
 class GatewayRejected(ConnectorError):
     """The gateway refused the request (4xx other than 404): a bug or a conflict, not worth a retry."""
 
@@ -66,6 +72,13 @@ class ClientConfig:
     retries: int = 3
     backoff_s: float = 0.05
     down_cooldown_s: float = 1.0
+    ca_file: str | None = None
+    """PEM bundle of the CAs that sign the gateway's certificate (https URLs); None: the system's store."""
+    cert_file: str | None = None
+    """Client certificate (PEM, may hold the key too) for a gateway that asks for one (mutual TLS)."""
+    key_file: str | None = None
+    check_tls_on_start: bool = True
+    """With an https URL: one GET /healthz at construction, so a certificate error fails there, loudly."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +116,42 @@ def _strip_etag(value: str | None) -> str | None:
     return value.strip('"').lower() or None
 
 
+def client_ssl_context(config: ClientConfig) -> ssl.SSLContext | bool:
+    """The SSLContext for https URLs: the CA bundle (or the system's), and the client certificate if one is set.
+
+    True (aiohttp's default verification) when nothing is configured; GatewayTLSError when a file does not load.
+    """
+    if config.ca_file is None and config.cert_file is None:
+        if config.key_file is not None:
+            raise GatewayTLSError("key_file needs cert_file")
+        return True
+    try:
+        ctx = ssl.create_default_context(cafile=config.ca_file)
+        if config.cert_file is not None:
+            ctx.load_cert_chain(config.cert_file, config.key_file)
+    except (OSError, ssl.SSLError) as exc:
+        files = ", ".join(f for f in (config.ca_file, config.cert_file, config.key_file) if f)
+        raise GatewayTLSError(f"cannot load the TLS files ({files}): {exc}") from exc
+    return ctx
+
+
+def tls_failure(exc: BaseException) -> str | None:
+    """What went wrong in TLS, when ``exc`` (or an error it wraps) is a TLS failure; None for anything else."""
+    seen: BaseException | None = exc
+    for _ in range(6):
+        if seen is None:
+            return None
+        if isinstance(seen, aiohttp.ClientConnectorCertificateError):
+            return f"the gateway's certificate is not trusted: {seen.certificate_error}"
+        if isinstance(seen, aiohttp.ClientSSLError):  # before ssl.SSLError: some of them are both
+            return str(seen)
+        if isinstance(seen, ssl.SSLError):
+            return str(getattr(seen, "reason", None) or seen)
+        nxt = getattr(seen, "os_error", None)
+        seen = nxt if isinstance(nxt, BaseException) and nxt is not seen else (seen.__cause__ or seen.__context__)
+    return None
+
+
 class _Retry(Exception):
     def __init__(self, cause: str) -> None:
         super().__init__(cause)
@@ -120,13 +169,19 @@ class BlockClient:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvgate-client", daemon=True)
         self._thread.start()
-        self._session: aiohttp.ClientSession = self.run(self._open(), timeout_s=10.0)
+        try:
+            self._session: aiohttp.ClientSession = self.run(self._open(), timeout_s=10.0)
+            if config.check_tls_on_start and config.base_url.lower().startswith("https://"):
+                self.run(self._check_tls(), timeout_s=config.connect_timeout_s + config.request_timeout_s)
+        except BaseException:
+            self.close()
+            raise
 
     # -- loop plumbing ---------------------------------------------------------------------------------------
 
     async def _open(self) -> aiohttp.ClientSession:
         cfg = self.config
-        connector = aiohttp.TCPConnector(limit=cfg.max_connections, ttl_dns_cache=300)
+        connector = aiohttp.TCPConnector(limit=cfg.max_connections, ttl_dns_cache=300, ssl=client_ssl_context(cfg))
         timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s)
         return aiohttp.ClientSession(
             base_url=cfg.base_url, connector=connector, timeout=timeout, raise_for_status=False
@@ -149,7 +204,8 @@ class BlockClient:
             return
 
         async def shutdown() -> None:
-            await self._session.close()
+            if hasattr(self, "_session"):
+                await self._session.close()
 
         try:
             self.run(shutdown(), timeout_s=10.0)
@@ -213,6 +269,10 @@ class BlockClient:
                         continue
                     return resp.status, (resp.headers, body)
             except (aiohttp.ClientConnectionError, ConnectionError) as exc:
+                if (tls := tls_failure(exc)) is not None:  # configuration: no retry, and a pause as for an outage
+                    log.error("TLS to the gateway %s failed: %s", self.config.base_url, tls)
+                    self._down_until = time.monotonic() + self.config.down_cooldown_s
+                    raise GatewayTLSError(f"{method} {path[:120]}: TLS failed: {tls}") from exc
                 last = f"{type(exc).__name__}: {exc}"
                 refused = isinstance(exc, aiohttp.ClientConnectorError)
             except TimeoutError as exc:
@@ -220,6 +280,28 @@ class BlockClient:
         if refused:  # nothing listening even after the retries: fail fast for a while instead of hammering it
             self._down_until = time.monotonic() + self.config.down_cooldown_s
         raise GatewayUnavailable(f"{method} {path[:120]} failed: {last}")
+
+    async def _check_tls(self) -> None:
+        """GET /healthz once: GatewayTLSError on a certificate problem; a gateway that is down only logs a warning.
+
+        A gateway that refuses the client's certificate (none, expired, another CA) ends the handshake by closing
+        the connection: uvloop and asyncio drop the TLS alert. Every kvgate answers /healthz, so a connection
+        closed after the handshake without a byte of answer is reported as that refusal.
+        """
+        try:
+            async with self._session.get("/healthz") as resp:
+                await resp.read()
+        except aiohttp.ServerDisconnectedError as exc:
+            raise GatewayTLSError(
+                f"TLS to the gateway {self.config.base_url} failed: the gateway closed the connection after the "
+                "handshake without answering: it refused this client's certificate (none configured, expired, or "
+                "not signed by a CA in its tls_client_ca)"
+            ) from exc
+        except (aiohttp.ClientConnectionError, ConnectionError, TimeoutError) as exc:
+            tls = tls_failure(exc)
+            if tls is not None:
+                raise GatewayTLSError(f"TLS to the gateway {self.config.base_url} failed: {tls}") from exc
+            log.warning("gateway %s not reachable at start-up (TLS not checked yet): %s", self.config.base_url, exc)
 
     async def _digest(self, data: Buffer) -> str:
         if len(data) >= _HASH_IN_THREAD_BYTES:

@@ -131,7 +131,15 @@ def client_config(extra: dict[str, Any]) -> ClientConfig:
         lookup_timeout_s=float(extra.get("lookup_timeout_s", 2.0)),
         max_inflight_bytes=int(extra.get("max_inflight_mib", 1024)) * 1024 * 1024,
         retries=int(extra.get("retries", 3)),
+        ca_file=_optional_str(extra, "ca_file"),
+        cert_file=_optional_str(extra, "cert_file"),
+        key_file=_optional_str(extra, "key_file"),
     )
+
+
+def _optional_str(extra: dict[str, Any], name: str) -> str | None:
+    value = extra.get(name)
+    return None if value is None else str(value)
 
 
 def as_layer_tensor(kv: torch.Tensor, *, num_kv_heads: int, block_size: int) -> tuple[torch.Tensor, KVLayout]:

@@ -112,6 +112,9 @@ class KVGateTier(SecondaryTierManager):  # type: ignore[misc]
         lookup_batch_keys: int = 4096,
         enable_kv_events: bool = False,
         locality: str | None = None,
+        ca_file: str | None = None,
+        cert_file: str | None = None,
+        key_file: str | None = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = Locality(locality) if locality is not None else None
@@ -159,6 +162,9 @@ class KVGateTier(SecondaryTierManager):  # type: ignore[misc]
                 max_inflight_bytes=max_inflight_bytes,
                 retries=retries,
                 down_cooldown_s=down_cooldown_s,
+                ca_file=ca_file,
+                cert_file=cert_file,
+                key_file=key_file,
             )
         )
         self._budget: ByteBudget = self._client.run(self._make_budget(max_inflight_bytes), timeout_s=10.0)

@@ -184,7 +184,7 @@ def summary(results: dict[int, Any]) -> dict[str, Any]:
 
 def roundtrip(args: argparse.Namespace) -> dict[str, Any]:
     """Factory-built tier (spec.get_manager()), real primary memoryview: store rows, look up, load, corrupt."""
-    spec = make_spec([kvgate_tier_cfg(args.url)])
+    spec = make_spec([kvgate_tier_cfg(args.url, **(args.tier_extra or {}))])  # tier_extra: e.g. the TLS keys
     manager = spec.get_manager()
     tier = manager.secondary_tiers[0]
     view = tier._primary_kv_view
@@ -347,7 +347,7 @@ REPLY = "KVGATE-DRIVER "
 
 def run(scenario: str, options: dict[str, Any]) -> dict[str, Any]:
     args = argparse.Namespace(
-        **{"url": None, "down_url": None, "data_root": None, "root": None, "pid": None, **options}
+        **{"url": None, "down_url": None, "data_root": None, "root": None, "pid": None, "tier_extra": None, **options}
     )
     Path(args.out).mkdir(parents=True, exist_ok=True)
     report = SCENARIOS[scenario](args)

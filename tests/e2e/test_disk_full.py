@@ -69,3 +69,38 @@ def test_disk_full_with_index_on_the_same_filesystem(small_tmpfs: Path) -> None:
         assert not list((small_tmpfs / "data").rglob(".kvgate-tmp-*"))
     finally:
         gw.stop()
+
+
+def test_put_refused_by_the_index_is_never_adopted(tmp_path: Path) -> None:
+    """The index cannot be written (another process holds its write lock): 503, and after a restart still nothing."""
+    import sqlite3
+
+    gw = Gateway(tmp_path / "data", env={"KVGATE_SQLITE_BUSY_TIMEOUT_S": "0.5"}).start()
+    new, old_key = key_for(900), key_for(901)
+    old, other = random_bytes(50_000, 1), random_bytes(60_000, 2)
+    try:
+        with httpx.Client(base_url=gw.url, timeout=30) as c:
+            assert c.put(f"/v1/blocks/{old_key}", content=old).status_code == 201
+            holder = sqlite3.connect(gw.data_dir / "index.db", isolation_level=None, timeout=5)
+            holder.execute("BEGIN EXCLUSIVE")
+            try:
+                r = c.put(f"/v1/blocks/{new}", content=other)
+                assert r.status_code == 503 and r.json()["error"]["code"] == "index_unavailable"
+                r = c.put(f"/v1/blocks/{old_key}", content=other)  # an overwrite refused the same way
+                assert r.status_code == 503
+            finally:
+                holder.execute("ROLLBACK")
+                holder.close()
+            got = c.get(f"/v1/blocks/{old_key}")
+            assert got.status_code == 200 and got.content == old  # the acknowledged version, not lost to a failure
+    finally:
+        gw.stop()
+    gw.start()
+    try:
+        with httpx.Client(base_url=gw.url, timeout=30) as c:
+            assert c.head(f"/v1/blocks/{new}").status_code == 404, "a PUT answered 503 was adopted at restart"
+            got = c.get(f"/v1/blocks/{old_key}")
+            assert got.status_code == 200 and got.content == old
+        assert_fs_agrees(gw.data_dir)
+    finally:
+        gw.stop()

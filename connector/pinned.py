@@ -7,20 +7,17 @@ import contextlib
 import threading
 from collections import deque
 from types import TracebackType
-from typing import Protocol, Self
+from typing import Self
 
 import torch
 
-__all__ = ["HostBuffer", "HostBufferPool", "PoolExhausted"]
+from connector.streams import CopyEvent
+
+__all__ = ["CopyEvent", "HostBuffer", "HostBufferPool", "PoolExhausted"]
 
 
 class PoolExhausted(RuntimeError):
     """No pinned host buffer is free for a synchronous load."""
-
-
-class CopyEvent(Protocol):
-    def query(self) -> bool: ...
-    def synchronize(self) -> None: ...
 
 
 class CompletedEvent:

@@ -19,7 +19,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from connector.client import BlockClient, ConnectorError
@@ -67,6 +67,39 @@ class WorkerPipeline:
         self._lock = threading.Lock()
         self._stores: dict[str, _Pending] = {}
         self._loads: dict[str, tuple[BlockJob, concurrent.futures.Future[set[int]]]] = {}
+        self._ever_stored: set[str] = set()
+        self._pending_free: set[str] = set()
+
+    # -- the engine's hooks, called on vLLM's main thread ------------------------------------------------------
+
+    def start_loads(self, jobs: Iterable[BlockJob]) -> None:
+        """``start_load_kv``: start the step's loads."""
+        for job in jobs:
+            self.load(job)
+
+    def start_stores(self, jobs: Iterable[BlockJob]) -> None:
+        """``wait_for_save``: start the step's stores (the forward pass that wrote their blocks is queued)."""
+        for job in jobs:
+            self._ever_stored.add(job.req_id)
+            self.store(job)
+
+    def before_step(self, *, preempted: Collection[str] = ()) -> None:
+        """``handle_preemptions``: before the next forward pass may overwrite blocks of preempted requests."""
+        self.sync_copies()
+
+    def finished_stores(self, finished_req_ids: Collection[str]) -> set[str]:
+        """``get_finished``: finished requests whose blocks no store copy reads any more (vLLM may free them)."""
+        self._pending_free |= set(finished_req_ids) & self._ever_stored
+        sending = {r for r in self._pending_free if self.copies_done(r)}
+        for r in sending:
+            self._pending_free.discard(r)
+            self._ever_stored.discard(r)
+            self.forget(r)
+        return sending
+
+    @property
+    def has_pending_frees(self) -> bool:
+        return bool(self._pending_free)
 
     # -- naming and byte ranges ------------------------------------------------------------------------------
 

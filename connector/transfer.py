@@ -23,13 +23,13 @@ import torch
 from connector.layout import BlockGeometry, KVLayout, paged_geometry
 from connector.pinned import (
     CompletedEvent,
-    CopyEvent,
     HostBuffer,
     HostBufferPool,
     PoolExhausted,
     Releasing,
     await_event,
 )
+from connector.streams import CopyEvent, CudaStreams, StreamOps
 
 __all__ = ["BlockTransfer", "HostBuffer", "HostBufferPool", "KVLayout", "LoadHandle", "PoolExhausted", "StagedBatch"]
 
@@ -160,7 +160,9 @@ class BlockTransfer:
         max_blocks_per_batch: int,
         store_buffers: int,
         load_buffers: int,
+        streams: StreamOps | None = None,
     ) -> None:
+        """``streams``: the device's stream operations (default: ``torch.cuda`` for CUDA tensors, none for CPU)."""
         if max_blocks_per_batch <= 0:
             raise ValueError("max_blocks_per_batch must be positive")
         self.layout = KVLayout(layout)
@@ -171,9 +173,11 @@ class BlockTransfer:
         self.device, self.num_blocks = first.device, first.shape[1]
         self._layers = [_words(t) for t in kv_caches.values()]
         self._cuda = self.device.type == "cuda"
-        new_stream = torch.cuda.Stream if self._cuda else None
-        self._store_stream = new_stream(device=self.device) if new_stream else None  # type: ignore[no-untyped-call]
-        self._load_stream = new_stream(device=self.device) if new_stream else None  # type: ignore[no-untyped-call]
+        if streams is None and self._cuda:
+            streams = CudaStreams(self.device)
+        self.streams = streams
+        self._store_stream = streams.new_stream() if streams else None
+        self._load_stream = streams.new_stream() if streams else None
         capacity = max_blocks_per_batch * self.geometry.block_bytes
         self.store_pool = HostBufferPool(num_buffers=store_buffers, buffer_bytes=capacity, pin=self._cuda)
         self.load_pool = HostBufferPool(num_buffers=load_buffers, buffer_bytes=capacity, pin=self._cuda)
@@ -202,21 +206,22 @@ class BlockTransfer:
             raise ValueError("duplicate block ids in a load")
 
     @contextlib.contextmanager
-    def _on(self, stream: torch.cuda.Stream | None, block_ids: Sequence[int]) -> Iterator[tuple[torch.Tensor, ...]]:
+    def _on(self, stream: object | None, block_ids: Sequence[int]) -> Iterator[tuple[torch.Tensor, ...]]:
         """Run on ``stream`` after all work queued on the caller's current stream; yields (host ids, device ids)."""
         host = torch.tensor(list(block_ids), dtype=torch.int64)
-        if stream is None:
+        if stream is None or self.streams is None:
             yield host, host
             return
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            host = host.pin_memory()  # a pageable copy would sync the stream; the caller keeps ``host`` alive
-            yield host, host.to(self.device, non_blocking=True)
+        self.streams.wait_stream(stream, self.streams.current_stream())
+        with self.streams.use(stream):
+            if self._cuda:
+                host = host.pin_memory()  # a pageable copy would sync the stream; the caller keeps ``host`` alive
+            yield host, host.to(self.device, non_blocking=self._cuda)
 
-    def _record(self, stream: torch.cuda.Stream | None) -> CopyEvent:
-        if stream is None:
+    def _record(self, stream: object | None) -> CopyEvent:
+        if stream is None or self.streams is None:
             return CompletedEvent()
-        event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+        event = self.streams.new_event()
         event.record(stream)
         return event
 

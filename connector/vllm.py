@@ -316,4 +316,5 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def shutdown(self) -> None:
         if self.pipeline is not None:
             self.pipeline.wait_uploads(timeout_s=30.0)
+            self.pipeline.close()
         self.client.close()

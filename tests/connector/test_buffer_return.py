@@ -109,3 +109,18 @@ def test_a_buffer_whose_copy_cannot_be_waited_for_never_returns(streams: Recordi
         batch.release()
     assert xfer.store_pool.available == 0
     assert not streams.ops("release")
+
+
+def test_device_staging_is_owned_by_the_buffers_and_reported(streams: RecordingStreams) -> None:
+    xfer = make(streams)
+    capacity = xfer.store_pool.buffer_bytes
+    assert xfer.staging_bytes == 2 * capacity  # one store and one load buffer, each with its staging
+    assert all(b.staging is not None and b.staging.numel() == capacity for b in xfer.store_pool.buffers)
+    streams.resume()
+    batch = xfer.gather([1, 2])
+    assert batch is not None
+    batch.release()
+    plain = BlockTransfer(
+        kv_caches=caches(1), layout=KVLayout.NHD, max_blocks_per_batch=2, store_buffers=1, load_buffers=1
+    )
+    assert plain.staging_bytes == 0  # CPU tensors without streams: synchronous copies, no staging held

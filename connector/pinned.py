@@ -1,26 +1,37 @@
-"""Bounded pools of host buffers (pinned when the KV lives on CUDA) and the small event/release helpers."""
+"""Bounded pools of host buffers (pinned when the KV lives on CUDA), the handles of copies in flight, and the waiter.
+
+The rule every path keeps: a buffer goes back to its pool only after the event of its last copy has completed.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import threading
 from collections import deque
+from collections.abc import Sequence
 from types import TracebackType
-from typing import Protocol, Self
+from typing import Self
 
 import torch
 
-__all__ = ["HostBuffer", "HostBufferPool", "PoolExhausted"]
+from connector.streams import CopyEvent, StreamOps
+
+__all__ = [
+    "CompletedEvent",
+    "CopyEvent",
+    "EventWaiter",
+    "HostBuffer",
+    "HostBufferPool",
+    "LoadHandle",
+    "PoolExhausted",
+    "StagedBatch",
+]
 
 
 class PoolExhausted(RuntimeError):
     """No pinned host buffer is free for a synchronous load."""
-
-
-class CopyEvent(Protocol):
-    def query(self) -> bool: ...
-    def synchronize(self) -> None: ...
 
 
 class CompletedEvent:
@@ -46,10 +57,30 @@ class Releasing:
         self.release()
 
 
-async def await_event(event: CopyEvent) -> None:
-    # Event.synchronize releases the GIL; a blocking-sync event sleeps the worker thread instead of spinning.
-    if not event.query():
-        await asyncio.to_thread(event.synchronize)
+class EventWaiter:
+    """Waits for copy events off the event loop, on threads of its own.
+
+    Not the loop's default executor: the client hashes bodies there, and an upload's hash must not queue behind
+    event waits that sit behind a long forward pass. The threads are bound to the transfers' device.
+    """
+
+    def __init__(self, *, streams: StreamOps | None, threads: int = 4) -> None:
+        self._streams = streams
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=threads, thread_name_prefix="kvgate-event", initializer=self._bind
+        )
+
+    def _bind(self) -> None:
+        if self._streams is not None:
+            self._streams.bind_thread()
+
+    async def wait(self, event: CopyEvent) -> None:
+        # Event.synchronize releases the GIL; a blocking-sync event sleeps the worker thread instead of spinning.
+        if not event.query():
+            await asyncio.get_running_loop().run_in_executor(self._pool, event.synchronize)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class HostBuffer(Releasing):
@@ -61,6 +92,8 @@ class HostBuffer(Releasing):
         self.view = tensor.numpy().data.cast("B")
         """Writable zero-copy view of the whole buffer (for filling a load straight from the network)."""
         self.held = False
+        self.staging: torch.Tensor | None = None
+        """Device staging of the same size, owned with the buffer (so it too is reused only after the copy)."""
 
     def release(self) -> None:
         self.pool.release(self)
@@ -78,6 +111,7 @@ class HostBufferPool:
             HostBuffer(pool=self, tensor=torch.empty(buffer_bytes, dtype=torch.uint8, pin_memory=pin))
             for _ in range(num_buffers)
         ]
+        self.buffers = tuple(self._free)
         self._lock = threading.Lock()
         self._waiters: deque[tuple[asyncio.AbstractEventLoop, asyncio.Future[HostBuffer]]] = deque()
 
@@ -132,3 +166,115 @@ class HostBufferPool:
             self.release(buffer)
         else:
             future.set_result(buffer)
+
+
+class StagedBatch(Releasing):
+    """Blocks gathered into a host buffer. Read ``block_view`` once ``done()``; then ``release()`` the buffer."""
+
+    def __init__(
+        self,
+        *,
+        block_ids: Sequence[int],
+        block_bytes: int,
+        event: CopyEvent,
+        buffer: HostBuffer,
+        waiter: EventWaiter,
+        keep: object = None,
+    ) -> None:
+        self.block_ids, self.block_bytes, self.event = tuple(block_ids), block_bytes, event
+        self._buffer: HostBuffer | None = buffer
+        self._waiter = waiter
+        self._keep = keep  # host-side inputs of the queued copy (the pinned block ids) outlive it
+
+    def __len__(self) -> int:
+        return len(self.block_ids)
+
+    def done(self) -> bool:
+        return self.event.query()
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+
+    async def wait(self) -> None:
+        """Wait for the copy without blocking the event loop."""
+        await self._waiter.wait(self.event)
+
+    def block_view(self, i: int) -> memoryview:
+        """Read-only zero-copy view of block ``i``'s canonical bytes (valid until ``release()``)."""
+        if self._buffer is None:
+            raise RuntimeError("batch already released")
+        if not 0 <= i < len(self.block_ids):
+            raise IndexError(f"block {i} out of range for a batch of {len(self.block_ids)}")
+        if not self.event.query():
+            raise RuntimeError("batch copy not complete: wait() first")
+        return self._buffer.view[i * self.block_bytes : (i + 1) * self.block_bytes].toreadonly()
+
+    def release(self) -> None:
+        """Give the buffer back once the copy is complete (waiting for it if need be). Idempotent.
+
+        If the copy cannot be waited for (a device error), the buffer stays out of its pool: it may still be read.
+        """
+        buffer, self._buffer = self._buffer, None
+        if buffer is not None:
+            self.event.synchronize()
+            buffer.release()
+
+
+class LoadHandle(Releasing):
+    """Blocks being loaded into the KV tensors. Host buffers go back to their pool once a copy is seen complete."""
+
+    def __init__(
+        self,
+        *,
+        parts: Sequence[tuple[CopyEvent, HostBuffer]],
+        streams: StreamOps | None,
+        waiter: EventWaiter,
+        keep: Sequence[object] = (),
+    ) -> None:
+        self._parts: list[tuple[CopyEvent, HostBuffer | None]] = list(parts)
+        self._streams, self._waiter, self._keep = streams, waiter, list(keep)
+
+    def _absorb(self, other: LoadHandle) -> None:
+        self._parts.extend(other._parts)
+        self._keep.extend(other._keep)
+        other._parts, other._keep = [], []
+
+    def _reap(self) -> None:
+        for i, (event, buffer) in enumerate(self._parts):
+            if buffer is not None and event.query():
+                self._parts[i] = (event, None)
+                buffer.release()
+
+    def done(self) -> bool:
+        finished = all(event.query() for event, _ in self._parts)
+        self._reap()
+        return finished
+
+    def synchronize(self) -> None:
+        for event, _ in self._parts:
+            event.synchronize()
+        self._reap()
+
+    async def wait(self) -> None:
+        """Wait for the copies without blocking the event loop."""
+        for event, _ in self._parts:
+            await self._waiter.wait(event)
+        self._reap()
+
+    async def _wait_oldest_held(self) -> bool:
+        held = [event for event, buffer in self._parts if buffer is not None]
+        if held:
+            await self._waiter.wait(held[0])
+            self._reap()
+        return bool(held)
+
+    def wait_on_current_stream(self) -> None:
+        """Make the caller's current stream wait for the loads (no host wait); a no-op without streams."""
+        if self._streams is not None:
+            stream = self._streams.current_stream()
+            for event, _ in self._parts:
+                self._streams.wait_event(stream, event)
+
+    def release(self) -> None:
+        """Wait for any copy still running and give every host buffer back. Idempotent."""
+        self.synchronize()

@@ -8,6 +8,14 @@ Loads: for each window of blocks, GET each block's bytes (a TP rank's range of t
 is parallel-agnostic), then scatter the window into the KV tensors and wait for its event. The first block that
 misses, fails or is corrupt ends the load: it and every later block of the request are reported as load errors.
 
+Ordering (the hooks below run on vLLM's main thread, whose current stream is its forward stream):
+- ``start_loads`` records an event there; every scatter of those loads, issued later from the client's loop
+  thread, waits on it before copying into the KV cache. ``start_stores`` does the same for its gathers.
+- ``before_step`` (handle_preemptions) makes the forward stream wait on the newest store copy of each group (one
+  store stream per group, so it covers all earlier ones) and waits on the host only for a preempted request whose
+  copies are still in flight. Each request keeps only its newest event per group, so the per-step checks cost
+  O(groups) per request they look at, never O(batches stored so far).
+
 Parallel-agnostic runs name blocks once (rank 0) and store the canonical object: rank ``r`` of ``tp`` PUTs its
 byte range as a part (``Content-Range``), and a reader at any TP size GETs the range of its own heads. Other runs
 store each rank's whole local block under its rank's path.
@@ -19,13 +27,15 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from connector.client import BlockClient, ConnectorError
 from connector.layout import BlockGeometry, rank_byte_range
 from connector.plan import BlockJob
 from connector.protocol import RunNaming
+from connector.streams import CopyEvent, StreamOps
 from connector.transfer import BlockTransfer, StagedBatch
 
 log = logging.getLogger("kvgate.connector.pipeline")
@@ -42,8 +52,8 @@ class PipelineStats:
 
 @dataclass(slots=True)
 class _Pending:
-    batches: list[StagedBatch] = field(default_factory=list)
-    uploads: list[concurrent.futures.Future[int]] = field(default_factory=list)
+    last: dict[int, CopyEvent] = field(default_factory=dict)
+    """Group -> the event of the request's newest gather (copies on a group's store stream finish in order)."""
 
 
 class WorkerPipeline:
@@ -67,6 +77,63 @@ class WorkerPipeline:
         self._lock = threading.Lock()
         self._stores: dict[str, _Pending] = {}
         self._loads: dict[str, tuple[BlockJob, concurrent.futures.Future[set[int]]]] = {}
+        self._ever_stored: set[str] = set()
+        self._pending_free: set[str] = set()
+        self._uploads: set[concurrent.futures.Future[int]] = set()
+        self._unordered: dict[int, CopyEvent] = {}
+        """Group -> newest store copy the forward stream has not been ordered after yet."""
+        self._newest: dict[int, CopyEvent] = {}
+        self._done_loads: deque[str] = deque()
+        for streams in {id(t.streams): t.streams for t in self.transfers if t.streams is not None}.values():
+            client.run(_bind(streams), timeout_s=30.0)  # the loop thread's CUDA calls go to the KV's device
+
+    # -- the engine's hooks, called on vLLM's main thread ------------------------------------------------------
+
+    def start_loads(self, jobs: Sequence[BlockJob]) -> None:
+        """``start_load_kv``: start the step's loads, ordered after everything queued on this thread's stream."""
+        if not jobs:
+            return
+        after = [t.mark() for t in self.transfers]
+        for job in jobs:
+            self.load(job, after=after)
+
+    def start_stores(self, jobs: Sequence[BlockJob]) -> None:
+        """``wait_for_save``: start the step's stores, ordered after the forward pass that wrote their blocks."""
+        if not jobs:
+            return
+        after = [t.mark() for t in self.transfers]
+        for job in jobs:
+            self._ever_stored.add(job.req_id)
+            self.store(job, after=after)
+
+    def before_step(self, *, preempted: Collection[str] = ()) -> None:
+        """``handle_preemptions``: before the next forward pass may overwrite freed blocks.
+
+        The forward stream waits (on the device) for the store copies queued since the last call; the host waits
+        only for a preempted request whose copies are still in flight (its blocks go back to vLLM's free pool).
+        """
+        with self._lock:
+            unordered, self._unordered = self._unordered, {}
+            last = [e for r in preempted if (p := self._stores.get(r)) is not None for e in p.last.values()]
+        for group, event in unordered.items():
+            self.transfers[group].order_current_stream_after(event)
+        for event in last:
+            if not event.query():
+                event.synchronize()
+
+    def finished_stores(self, finished_req_ids: Collection[str]) -> set[str]:
+        """``get_finished``: finished requests whose blocks no store copy reads any more (vLLM may free them)."""
+        self._pending_free.update(r for r in finished_req_ids if r in self._ever_stored)
+        sending = {r for r in self._pending_free if self.copies_done(r)}
+        for r in sending:
+            self._pending_free.discard(r)
+            self._ever_stored.discard(r)
+            self.forget(r)
+        return sending
+
+    @property
+    def has_pending_frees(self) -> bool:
+        return bool(self._pending_free)
 
     # -- naming and byte ranges ------------------------------------------------------------------------------
 
@@ -92,8 +159,10 @@ class WorkerPipeline:
 
     # -- stores --------------------------------------------------------------------------------------------
 
-    def store(self, job: BlockJob) -> None:
-        """Start storing ``job``'s blocks; never waits on the network or the copy."""
+    def store(self, job: BlockJob, *, after: Sequence[CopyEvent] | None = None) -> None:
+        """Start storing ``job``'s blocks; never waits on the network or the copy.
+
+        ``after[g]``: the event (``mark()``) of the forward pass that wrote group ``g``'s blocks."""
         pending = self._pending(job.req_id)
         for group, transfer in enumerate(self.transfers):
             ids = job.block_ids[group]
@@ -105,13 +174,20 @@ class WorkerPipeline:
                 if not self.client.reserve(nbytes):
                     self.stats.dropped_blocks += len(chunk)
                     continue
-                batch = transfer.gather(chunk)
+                try:
+                    batch = transfer.gather(chunk, after=None if after is None else after[group])
+                except BaseException:
+                    self.client.release(nbytes)
+                    raise
                 if batch is None:
                     self.client.release(nbytes)
                     self.stats.dropped_blocks += len(chunk)
                     continue
-                pending.batches.append(batch)
-                pending.uploads.append(self.client.submit(self._upload(batch, keys, part, nbytes)))
+                with self._lock:
+                    pending.last[group] = self._unordered[group] = self._newest[group] = batch.event
+                    upload = self.client.submit(self._upload(batch, keys, part, nbytes))
+                    self._uploads.add(upload)
+                upload.add_done_callback(self._upload_done)
 
     async def _upload(self, batch: StagedBatch, keys: list[str], part: tuple[int, int, int] | None, nbytes: int) -> int:
         try:
@@ -134,6 +210,10 @@ class WorkerPipeline:
         self.stats.stored_blocks += ok
         return ok
 
+    def _upload_done(self, fut: concurrent.futures.Future[int]) -> None:
+        with self._lock:
+            self._uploads.discard(fut)
+
     def _pending(self, req_id: str) -> _Pending:
         with self._lock:
             return self._stores.setdefault(req_id, _Pending())
@@ -141,36 +221,42 @@ class WorkerPipeline:
     def copies_done(self, req_id: str) -> bool:
         """True once every gather of ``req_id`` has left the KV tensors (its blocks may then be reused)."""
         pending = self._stores.get(req_id)
-        return pending is None or all(b.done() for b in pending.batches)
+        return pending is None or all(event.query() for event in pending.last.values())
 
     def forget(self, req_id: str) -> None:
         with self._lock:
             self._stores.pop(req_id, None)
 
     def sync_copies(self) -> None:
-        """Wait for every gather still reading the KV tensors (before vLLM reuses preempted blocks)."""
+        """Wait on the host for every gather started so far (shutdown, tests)."""
         with self._lock:
-            batches = [b for p in self._stores.values() for b in p.batches]
-        for b in batches:
-            if not b.done():
-                b.synchronize()
+            newest = list(self._newest.values())
+        for event in newest:
+            event.synchronize()
 
     def wait_uploads(self, timeout_s: float | None = None) -> None:
         """Wait until every upload started so far has finished (tests, benchmarks and shutdown)."""
         with self._lock:
-            futs = [f for p in self._stores.values() for f in p.uploads]
+            futs = list(self._uploads)
         concurrent.futures.wait(futs, timeout=timeout_s)
+
+    def close(self) -> None:
+        for transfer in self.transfers:
+            transfer.close()
 
     # -- loads ---------------------------------------------------------------------------------------------
 
-    def load(self, job: BlockJob) -> concurrent.futures.Future[set[int]]:
-        """Start loading ``job``; the future gives the block ids that could not be loaded (empty: all loaded)."""
-        fut = self.client.submit(self._load(job))
+    def load(self, job: BlockJob, *, after: Sequence[CopyEvent] | None = None) -> concurrent.futures.Future[set[int]]:
+        """Start loading ``job``; the future gives the block ids that could not be loaded (empty: all loaded).
+
+        ``after[g]``: the event (``mark()``) its scatters into group ``g`` wait on; see ``start_loads``."""
+        fut = self.client.submit(self._load(job, after))
         with self._lock:
             self._loads[job.req_id] = (job, fut)
+        fut.add_done_callback(lambda _: self._done_loads.append(job.req_id))
         return fut
 
-    async def _load(self, job: BlockJob) -> set[int]:
+    async def _load(self, job: BlockJob, after: Sequence[CopyEvent] | None) -> set[int]:
         n = len(job.hashes)
         window = min(t.max_blocks_per_batch for t in self.transfers)
         loaded = 0
@@ -179,7 +265,7 @@ class WorkerPipeline:
                 got = await self._fetch_window(job, loaded, min(n, loaded + window))
                 good = next((i for i, blocks in enumerate(got) if blocks is None), len(got))
                 if good:
-                    await self._scatter(job, loaded, [b for b in got[:good] if b is not None])
+                    await self._scatter(job, loaded, [b for b in got[:good] if b is not None], after)
                 loaded += good
                 if good < len(got):  # a block of this window is missing: the rest is recomputed
                     break
@@ -212,22 +298,32 @@ class WorkerPipeline:
             per_block.append(None if any(x is None for x in row) else [x for x in row if x is not None])
         return per_block
 
-    async def _scatter(self, job: BlockJob, start: int, blocks: list[list[bytes]]) -> None:
+    async def _scatter(
+        self, job: BlockJob, start: int, blocks: list[list[bytes]], after: Sequence[CopyEvent] | None
+    ) -> None:
         for group, transfer in enumerate(self.transfers):
             ids = job.block_ids[group][start : start + len(blocks)]
-            handle = await transfer.scatter_many(ids, [b[group] for b in blocks])
+            handle = await transfer.scatter_many(
+                ids, [b[group] for b in blocks], after=None if after is None else after[group]
+            )
             await handle.wait()
 
     def finished_loads(self) -> dict[str, set[int]]:
         """Loads that completed since the last call: request id -> block ids that failed to load."""
         done: dict[str, set[int]] = {}
         with self._lock:
-            for req_id, (job, fut) in list(self._loads.items()):
-                if fut.done():
-                    del self._loads[req_id]
-                    try:
-                        done[req_id] = fut.result()
-                    except BaseException as exc:  # a bug: report every block as failed, never a silent load
-                        log.error("load crashed req=%s: %r", req_id, exc)
-                        done[req_id] = {bid for group in job.block_ids for bid in group}
+            while self._done_loads:  # only the loads that completed: never a walk over every live load
+                req_id = self._done_loads.popleft()
+                if (entry := self._loads.get(req_id)) is None or not entry[1].done():
+                    continue
+                job, fut = self._loads.pop(req_id)
+                try:
+                    done[req_id] = fut.result()
+                except BaseException as exc:  # a bug: report every block as failed, never a silent load
+                    log.error("load crashed req=%s: %r", req_id, exc)
+                    done[req_id] = {bid for group in job.block_ids for bid in group}
         return done
+
+
+async def _bind(streams: StreamOps) -> None:
+    streams.bind_thread()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from connector.client import BlockClient, ConnectorError, LookupSlot
@@ -34,6 +34,8 @@ class StepPlan:
 
     loads: list[BlockJob] = field(default_factory=list)
     stores: list[BlockJob] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    """Requests preempted this step: their blocks go back to vLLM's free pool before the next forward pass."""
 
 
 @dataclass(slots=True)
@@ -184,6 +186,9 @@ class SchedulerPlanner:
         ids = tuple(tuple(g[start : len(hashes)]) for g in req.block_ids)
         self._plan.stores.append(BlockJob(req_id=req_id, hashes=tuple(hashes[start:]), block_ids=ids))
         req.stored = len(hashes)
+
+    def preempted(self, req_ids: Iterable[str]) -> None:
+        self._plan.preempted.extend(req_ids)
 
     def build(self) -> StepPlan:
         plan, self._plan = self._plan, StepPlan()

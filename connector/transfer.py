@@ -1,12 +1,18 @@
 """Copies of KV blocks between vLLM's paged KV tensors and pinned host buffers, in the canonical layout.
 
-The only ``torch.cuda`` user. ``gather`` runs on a dedicated stream that first waits on the caller's current stream
-(so the forward pass's KV writes are visible), selects the blocks of every layer into one contiguous device staging
-tensor in canonical order ``(block, head, layer, k|v, token, head_dim)`` (permuted on the GPU), makes ONE
+Streams and events go through ``connector.streams`` (``torch.cuda`` on a GPU). ``gather`` runs on a dedicated
+stream that first waits on ``after`` (an event that vLLM's main thread recorded on its forward stream with
+``mark()``; without one, on the caller's current stream), selects the blocks of every layer into the buffer's device
+staging in canonical order ``(block, head, layer, k|v, token, head_dim)`` (permuted on the GPU), makes ONE
 non-blocking copy into a pinned buffer from a bounded pool and records an event; an exhausted pool is ``None``, so
-the engine never blocks. ``scatter`` is the reverse on a second stream; the compute stream must wait on its event
-before reading the KV. Copies use ``uint8`` views, so bf16/fp16/fp8 are byte-exact. Without CUDA (or with CPU
-tensors) the same code runs: streams become ``nullcontext``, events are complete, buffers are not pinned.
+the engine never blocks. ``scatter`` is the reverse on a second stream, and it too waits on ``after``: a load is
+scattered from the client's loop thread, whose current stream orders nothing against the forward pass. The forward
+stream must wait on a load's event before reading the KV. Copies use ``uint8`` views, so bf16/fp16/fp8 are
+byte-exact. Without CUDA (CPU tensors) the same code runs with no streams: events are complete, buffers not pinned.
+
+Memory: each pool buffer owns a device staging tensor of its size, allocated once here (``staging_bytes``), so the
+side streams allocate nothing per copy. A buffer (and its staging) goes back to its pool only after the event of its
+last copy completed, errors included; one whose copy cannot be fenced stays out (``lost_buffers``).
 
 TP: a rank's tensors hold only its local heads, so the canonical bytes of all local heads ARE the rank's
 ``connector.layout.rank_byte_range`` of the object; ``heads=`` narrows a copy to a contiguous run of local heads.
@@ -16,6 +22,8 @@ Callers must keep vLLM from reusing the blocks until the copy's event is done: i
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -23,112 +31,18 @@ import torch
 from connector.layout import BlockGeometry, KVLayout, paged_geometry
 from connector.pinned import (
     CompletedEvent,
-    CopyEvent,
+    EventWaiter,
     HostBuffer,
     HostBufferPool,
+    LoadHandle,
     PoolExhausted,
-    Releasing,
-    await_event,
+    StagedBatch,
 )
+from connector.streams import CopyEvent, CudaStreams, StreamOps
+
+log = logging.getLogger("kvgate.connector.transfer")
 
 __all__ = ["BlockTransfer", "HostBuffer", "HostBufferPool", "KVLayout", "LoadHandle", "PoolExhausted", "StagedBatch"]
-
-
-class StagedBatch(Releasing):
-    """Blocks gathered into a host buffer. Read ``block_view`` once ``done()``; then ``release()`` the buffer."""
-
-    def __init__(
-        self, *, block_ids: Sequence[int], block_bytes: int, event: CopyEvent, buffer: HostBuffer, keep: object = None
-    ) -> None:
-        self.block_ids, self.block_bytes, self._event = tuple(block_ids), block_bytes, event
-        self._buffer: HostBuffer | None = buffer
-        self._keep = keep  # host-side inputs of the queued copy (the pinned block ids) outlive it
-
-    def __len__(self) -> int:
-        return len(self.block_ids)
-
-    def done(self) -> bool:
-        return self._event.query()
-
-    def synchronize(self) -> None:
-        self._event.synchronize()
-
-    async def wait(self) -> None:
-        """Wait for the copy without blocking the event loop."""
-        await await_event(self._event)
-
-    def block_view(self, i: int) -> memoryview:
-        """Read-only zero-copy view of block ``i``'s canonical bytes (valid until ``release()``)."""
-        if self._buffer is None:
-            raise RuntimeError("batch already released")
-        if not 0 <= i < len(self.block_ids):
-            raise IndexError(f"block {i} out of range for a batch of {len(self.block_ids)}")
-        if not self._event.query():
-            raise RuntimeError("batch copy not complete: wait() first")
-        return self._buffer.view[i * self.block_bytes : (i + 1) * self.block_bytes].toreadonly()
-
-    def release(self) -> None:
-        """Give the buffer back to the pool (waiting for the copy first if it is still running). Idempotent."""
-        buffer, self._buffer = self._buffer, None
-        if buffer is not None:
-            self._event.synchronize()
-            buffer.release()
-
-
-class LoadHandle(Releasing):
-    """Blocks being loaded into the KV tensors. Host buffers go back to their pool once a copy is seen complete."""
-
-    def __init__(
-        self, *, parts: Sequence[tuple[CopyEvent, HostBuffer]], device: torch.device, keep: Sequence[object] = ()
-    ) -> None:
-        self._parts: list[tuple[CopyEvent, HostBuffer | None]] = list(parts)
-        self._device, self._keep = device, list(keep)
-
-    def _absorb(self, other: LoadHandle) -> None:
-        self._parts.extend(other._parts)
-        self._keep.extend(other._keep)
-        other._parts, other._keep = [], []
-
-    def _reap(self) -> None:
-        for i, (event, buffer) in enumerate(self._parts):
-            if buffer is not None and event.query():
-                self._parts[i] = (event, None)
-                buffer.release()
-
-    def done(self) -> bool:
-        finished = all(event.query() for event, _ in self._parts)
-        self._reap()
-        return finished
-
-    def synchronize(self) -> None:
-        for event, _ in self._parts:
-            event.synchronize()
-        self._reap()
-
-    async def wait(self) -> None:
-        """Wait for the copies without blocking the event loop."""
-        for event, _ in self._parts:
-            await await_event(event)
-        self._reap()
-
-    async def _wait_oldest_held(self) -> bool:
-        held = [event for event, buffer in self._parts if buffer is not None]
-        if held:
-            await await_event(held[0])
-            self._reap()
-        return bool(held)
-
-    def wait_on_current_stream(self) -> None:
-        """Make the caller's current CUDA stream wait for the loads (no CPU wait); a no-op without CUDA."""
-        if self._device.type == "cuda":
-            stream = torch.cuda.current_stream(self._device)
-            for event, _ in self._parts:
-                if isinstance(event, torch.cuda.Event):
-                    stream.wait_event(event)
-
-    def release(self) -> None:
-        """Wait for any copy still running and give every host buffer back. Idempotent."""
-        self.synchronize()
 
 
 def _check_kv_caches(kv_caches: dict[str, torch.Tensor], layout: KVLayout) -> BlockGeometry:
@@ -160,7 +74,9 @@ class BlockTransfer:
         max_blocks_per_batch: int,
         store_buffers: int,
         load_buffers: int,
+        streams: StreamOps | None = None,
     ) -> None:
+        """``streams``: the device's stream operations (default: ``torch.cuda`` for CUDA tensors, none for CPU)."""
         if max_blocks_per_batch <= 0:
             raise ValueError("max_blocks_per_batch must be positive")
         self.layout = KVLayout(layout)
@@ -171,12 +87,50 @@ class BlockTransfer:
         self.device, self.num_blocks = first.device, first.shape[1]
         self._layers = [_words(t) for t in kv_caches.values()]
         self._cuda = self.device.type == "cuda"
-        new_stream = torch.cuda.Stream if self._cuda else None
-        self._store_stream = new_stream(device=self.device) if new_stream else None  # type: ignore[no-untyped-call]
-        self._load_stream = new_stream(device=self.device) if new_stream else None  # type: ignore[no-untyped-call]
+        if streams is None and self._cuda:
+            streams = CudaStreams(self.device)
+        self.streams = streams
+        self._store_stream = streams.new_stream() if streams else None
+        self._load_stream = streams.new_stream() if streams else None
         capacity = max_blocks_per_batch * self.geometry.block_bytes
         self.store_pool = HostBufferPool(num_buffers=store_buffers, buffer_bytes=capacity, pin=self._cuda)
         self.load_pool = HostBufferPool(num_buffers=load_buffers, buffer_bytes=capacity, pin=self._cuda)
+        self.staging_bytes = 0
+        """Device memory held for staging (outside vLLM's memory profile: it is allocated after it, once)."""
+        if streams is not None:
+            for buffer in (*self.store_pool.buffers, *self.load_pool.buffers):
+                buffer.staging = torch.empty(capacity, dtype=torch.uint8, device=self.device)
+                self.staging_bytes += capacity
+        self.lost_buffers = 0
+        """Buffers kept out of their pool because their copy could not be fenced (a device error)."""
+        self.waiter = EventWaiter(streams=streams)
+        log.info(
+            "block transfer: %d+%d host buffers of %d bytes (pinned=%s), %d bytes of device staging",
+            store_buffers,
+            load_buffers,
+            capacity,
+            self._cuda,
+            self.staging_bytes,
+        )
+
+    def close(self) -> None:
+        self.waiter.close()
+
+    # -- ordering against the caller's streams -------------------------------------------------------------
+
+    def mark(self) -> CopyEvent:
+        """An event on the calling thread's current stream: everything queued there so far (vLLM's main thread:
+        the forward pass, block zeroing). Pass it as ``after`` to copies started later, from any thread."""
+        if self.streams is None:
+            return CompletedEvent()
+        event = self.streams.new_event()
+        event.record(self.streams.current_stream())
+        return event
+
+    def order_current_stream_after(self, event: CopyEvent) -> None:
+        """Make the calling thread's current stream wait for ``event`` on the device (no host wait)."""
+        if self.streams is not None:
+            self.streams.wait_event(self.streams.current_stream(), event)
 
     def split(self, block_ids: Sequence[int]) -> list[Sequence[int]]:
         """``block_ids`` cut into batches of at most ``max_blocks_per_batch``, in order."""
@@ -202,31 +156,57 @@ class BlockTransfer:
             raise ValueError("duplicate block ids in a load")
 
     @contextlib.contextmanager
-    def _on(self, stream: torch.cuda.Stream | None, block_ids: Sequence[int]) -> Iterator[tuple[torch.Tensor, ...]]:
-        """Run on ``stream`` after all work queued on the caller's current stream; yields (host ids, device ids)."""
+    def _on(
+        self, stream: object | None, block_ids: Sequence[int], after: CopyEvent | None
+    ) -> Iterator[tuple[torch.Tensor, ...]]:
+        """Run on ``stream`` after ``after`` (default: the caller's current stream); yields (host ids, device ids)."""
         host = torch.tensor(list(block_ids), dtype=torch.int64)
-        if stream is None:
+        if stream is None or self.streams is None:
             yield host, host
             return
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            host = host.pin_memory()  # a pageable copy would sync the stream; the caller keeps ``host`` alive
-            yield host, host.to(self.device, non_blocking=True)
+        if after is not None:
+            self.streams.wait_event(stream, after)
+        else:
+            self.streams.wait_stream(stream, self.streams.current_stream())
+        with self.streams.use(stream):
+            if self._cuda:
+                host = host.pin_memory()  # a pageable copy would sync the stream; the caller keeps ``host`` alive
+            yield host, host.to(self.device, non_blocking=self._cuda)
 
-    def _record(self, stream: torch.cuda.Stream | None) -> CopyEvent:
-        if stream is None:
+    def _record(self, stream: object | None) -> CopyEvent:
+        if stream is None or self.streams is None:
             return CompletedEvent()
-        event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+        event = self.streams.new_event()
         event.record(stream)
         return event
 
-    def _staging(self, n: int, heads: range) -> torch.Tensor:
+    def _give_back(self, buffer: HostBuffer, stream: object | None) -> None:
+        """After an error: return ``buffer`` once whatever was queued on ``stream`` (its copies) has run."""
+        if stream is not None and self.streams is not None:
+            try:
+                fence = self.streams.new_event()
+                fence.record(stream)
+                fence.synchronize()
+            except BaseException:
+                self.lost_buffers += 1
+                log.exception("a host buffer stays out of its pool: the copies that use it could not be fenced")
+                return
+        buffer.release()
+
+    def _staging(self, n: int, heads: range, buffer: HostBuffer) -> torch.Tensor:
         g, row = self.geometry, self._layers[0]
         shape = (n, len(heads), g.num_layers, 2, g.block_size, row.shape[-1])
-        return torch.empty(shape, dtype=row.dtype, device=self.device)
+        if buffer.staging is None:
+            return torch.empty(shape, dtype=row.dtype, device=self.device)
+        nbytes = math.prod(shape) * row.element_size()
+        return buffer.staging[:nbytes].view(row.dtype).view(shape)
 
-    def gather(self, block_ids: Sequence[int], *, heads: range | None = None) -> StagedBatch | None:
-        """Start copying ``block_ids`` out in canonical bytes; ``None`` when no store buffer is free (drop it)."""
+    def gather(
+        self, block_ids: Sequence[int], *, heads: range | None = None, after: CopyEvent | None = None
+    ) -> StagedBatch | None:
+        """Start copying ``block_ids`` out in canonical bytes; ``None`` when no store buffer is free (drop it).
+
+        ``after``: the event of the forward pass that wrote the blocks (``mark()`` on vLLM's main thread)."""
         self._check_ids(block_ids, unique=False)
         sel = self._heads(heads)
         buffer = self.store_pool.try_acquire()
@@ -234,8 +214,8 @@ class BlockTransfer:
             return None
         head_dim, perm = self.layout.head_dim, self.layout.to_canonical
         try:
-            with self._on(self._store_stream, block_ids) as (host_ids, ids):
-                staging = self._staging(len(block_ids), sel)
+            with self._on(self._store_stream, block_ids, after) as (host_ids, ids):
+                staging = self._staging(len(block_ids), sel, buffer)
                 for layer, kv in enumerate(self._layers):
                     part = kv.narrow(head_dim, sel.start, len(sel)).index_select(1, ids)
                     staging[:, :, layer].copy_(part.permute(perm))
@@ -243,14 +223,18 @@ class BlockTransfer:
                 buffer.tensor[: flat.numel()].copy_(flat, non_blocking=self._cuda)
                 event = self._record(self._store_stream)
         except BaseException:
-            buffer.release()
+            self._give_back(buffer, self._store_stream)
             raise
         nbytes = len(sel) * self.geometry.bytes_per_head
-        return StagedBatch(block_ids=block_ids, block_bytes=nbytes, event=event, buffer=buffer, keep=host_ids)
+        return StagedBatch(
+            block_ids=block_ids, block_bytes=nbytes, event=event, buffer=buffer, waiter=self.waiter, keep=host_ids
+        )
 
-    def gather_many(self, block_ids: Sequence[int], *, heads: range | None = None) -> list[StagedBatch | None]:
+    def gather_many(
+        self, block_ids: Sequence[int], *, heads: range | None = None, after: CopyEvent | None = None
+    ) -> list[StagedBatch | None]:
         """``gather`` over ``split(block_ids)``: one slot per batch, ``None`` where no buffer was free."""
-        return [self.gather(chunk, heads=heads) for chunk in self.split(block_ids)]
+        return [self.gather(chunk, heads=heads, after=after) for chunk in self.split(block_ids)]
 
     def _check_data(self, block_ids: Sequence[int], data: Sequence[bytes | memoryview], nbytes: int) -> None:
         if len(data) != len(block_ids):
@@ -266,12 +250,15 @@ class BlockTransfer:
         *,
         heads: range | None = None,
         buffer: HostBuffer | None = None,
+        after: CopyEvent | None = None,
     ) -> LoadHandle:
         """Start loading canonical bytes (one block per item of ``data``) into ``block_ids``.
 
-        ``buffer``, if given, is a buffer held from ``load_pool``; the returned handle owns it from then on (also
-        on error). With ``data=None`` it already holds the blocks back to back (filled from the network). Without
-        ``buffer`` one is taken from the pool, or ``PoolExhausted`` is raised (async callers: ``scatter_many``).
+        ``after``: an event recorded by ``mark()`` on vLLM's main thread when the load was planned: the blocks'
+        earlier users (the forward pass, zeroing) are queued before it. ``buffer``, if given, is a buffer held from
+        ``load_pool``; the returned handle owns it from then on (also on error). With ``data=None`` it already holds
+        the blocks back to back (filled from the network). Without ``buffer`` one is taken from the pool, or
+        ``PoolExhausted`` is raised (async callers: ``scatter_many``).
         """
         if buffer is not None and (buffer.pool is not self.load_pool or not buffer.held):
             raise ValueError("buffer must be held from this transfer's load_pool")
@@ -281,6 +268,7 @@ class BlockTransfer:
             if (buffer := self.load_pool.try_acquire()) is None:
                 raise PoolExhausted("no load buffer free")
         head_dim, perm = self.layout.head_dim, self.layout.from_canonical
+        queued: object | None = None
         try:
             self._check_ids(block_ids, unique=True)
             sel = self._heads(heads)
@@ -289,8 +277,9 @@ class BlockTransfer:
                 self._check_data(block_ids, data, nbytes)
                 for i, d in enumerate(data):
                     buffer.view[i * nbytes : (i + 1) * nbytes] = memoryview(d).cast("B")
-            with self._on(self._load_stream, block_ids) as (host_ids, ids):
-                staging = self._staging(len(block_ids), sel)
+            queued = self._load_stream  # from here on, copies that use the buffer may be queued
+            with self._on(self._load_stream, block_ids, after) as (host_ids, ids):
+                staging = self._staging(len(block_ids), sel, buffer)
                 flat = staging.view(-1).view(torch.uint8)
                 flat.copy_(buffer.tensor[: flat.numel()], non_blocking=self._cuda)
                 for layer, kv in enumerate(self._layers):
@@ -298,12 +287,17 @@ class BlockTransfer:
                     dest.index_copy_(1, ids, staging[:, :, layer].permute(perm))
                 event = self._record(self._load_stream)
         except BaseException:
-            buffer.release()
+            self._give_back(buffer, queued)
             raise
-        return LoadHandle(parts=[(event, buffer)], device=self.device, keep=[host_ids])
+        return LoadHandle(parts=[(event, buffer)], streams=self.streams, waiter=self.waiter, keep=[host_ids])
 
     async def scatter_many(
-        self, block_ids: Sequence[int], data: Sequence[bytes | memoryview], *, heads: range | None = None
+        self,
+        block_ids: Sequence[int],
+        data: Sequence[bytes | memoryview],
+        *,
+        heads: range | None = None,
+        after: CopyEvent | None = None,
     ) -> LoadHandle:
         """``scatter`` of any number of blocks, batch by batch, waiting (without blocking) for load buffers."""
         self._check_data(block_ids, data, self.block_bytes(heads=heads))
@@ -311,7 +305,8 @@ class BlockTransfer:
             raise ValueError("duplicate block ids in a load")
         for chunk in self.split(block_ids):
             self._check_ids(chunk, unique=True)
-        handle, step = LoadHandle(parts=(), device=self.device), self.max_blocks_per_batch
+        handle = LoadHandle(parts=(), streams=self.streams, waiter=self.waiter)
+        step = self.max_blocks_per_batch
         try:
             for start in range(0, len(block_ids), step):
                 buffer = self.load_pool.try_acquire()
@@ -322,7 +317,7 @@ class BlockTransfer:
                         break
                     buffer = self.load_pool.try_acquire()
                 piece = slice(start, start + step)
-                handle._absorb(self.scatter(block_ids[piece], data[piece], heads=heads, buffer=buffer))
+                handle._absorb(self.scatter(block_ids[piece], data[piece], heads=heads, buffer=buffer, after=after))
         except BaseException:
             handle.release()
             raise

@@ -172,8 +172,6 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self.client = BlockClient(client_config(extra))
         self.planner: SchedulerPlanner | None = None
         self.pipeline: WorkerPipeline | None = None
-        self._ever_stored: set[str] = set()
-        self._pending_free: set[str] = set()
         self._loading: set[str] = set()
         self._load_errors: set[int] = set()
         if role == KVConnectorRole.SCHEDULER:
@@ -234,6 +232,7 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 num_scheduled_tokens=tokens.get(req_id, 0),
                 replace=req_id in cached.resumed_req_ids,
             )
+        self.planner.preempted(scheduler_output.preempted_req_ids or ())
         return KVGateConnectorMetadata(self.planner.build())
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -283,9 +282,8 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         plan = self._plan()
         if plan is None or self.pipeline is None:
             return
-        for job in plan.loads:
-            self._loading.add(job.req_id)
-            self.pipeline.load(job)
+        self._loading.update(job.req_id for job in plan.loads)
+        self.pipeline.start_loads(plan.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads complete between steps and are reported by get_finished
@@ -297,23 +295,18 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         plan = self._plan()
         if plan is None or self.pipeline is None:
             return
-        for job in plan.stores:
-            self._ever_stored.add(job.req_id)
-            self.pipeline.store(job)
+        self.pipeline.start_stores(plan.stores)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        if self.pipeline is not None:
-            self.pipeline.sync_copies()  # preempted blocks are reused next step: their copies must be done
+        if self.pipeline is None:
+            return
+        plan = kv_connector_metadata.plan if isinstance(kv_connector_metadata, KVGateConnectorMetadata) else None
+        self.pipeline.before_step(preempted=plan.preempted if plan is not None else ())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.pipeline is None:
             return None, None
-        self._pending_free |= finished_req_ids & self._ever_stored
-        sending = {r for r in self._pending_free if self.pipeline.copies_done(r)}
-        for r in sending:
-            self._pending_free.discard(r)
-            self._ever_stored.discard(r)
-            self.pipeline.forget(r)
+        sending = self.pipeline.finished_stores(finished_req_ids)
         recving = set()
         for req_id, failed in self.pipeline.finished_loads().items():
             recving.add(req_id)
@@ -326,9 +319,10 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return errors
 
     def has_pending_block_frees(self) -> bool:
-        return bool(self._pending_free)
+        return self.pipeline is not None and self.pipeline.has_pending_frees
 
     def shutdown(self) -> None:
         if self.pipeline is not None:
             self.pipeline.wait_uploads(timeout_s=30.0)
+            self.pipeline.close()
         self.client.close()

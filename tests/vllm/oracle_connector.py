@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request
 
@@ -92,6 +93,11 @@ def check_roles(url: str, model_dir: str) -> dict[str, object]:
     )
     writer.wait_for_save()
     writer.clear_connector_metadata()
+    # a preemption travels from the scheduler's SchedulerOutput through the metadata to handle_preemptions
+    step = SchedulerOutput.make_empty()
+    step.preempted_req_ids = {"w"}
+    preempt_meta = sched.build_connector_meta(step)
+    writer.handle_preemptions(preempt_meta)
     writer.pipeline.wait_uploads(60)
     sending, _ = writer.get_finished({"w"})
     # the scheduler's one lookup sees the stored prefix
@@ -128,6 +134,7 @@ def check_roles(url: str, model_dir: str) -> dict[str, object]:
         "errors": sorted(errors),
         "equal": equal,
         "stored": writer.pipeline.stats.stored_blocks,
+        "preempted": list(preempt_meta.plan.preempted),
     }
     for c in (sched, writer, reader):
         c.shutdown()

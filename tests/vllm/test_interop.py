@@ -83,6 +83,7 @@ def test_both_roles_through_vllms_factory(vllm_python: str, gateway: Gateway, tm
     assert got["hash_len"] == 32  # sha256 block hashes
     assert got["matched_before"] == [0, False]  # nothing stored yet: a miss
     assert got["stored"] == 3 and got["sending"] == ["w"]
+    assert got["preempted"] == ["w"]  # SchedulerOutput.preempted_req_ids reaches handle_preemptions
     assert got["prefix"] == 3
     assert got["matched_after"] == [3 * 16, True]  # 3 full blocks of a 53-token prompt, loaded async
     assert got["recving"] == ["r"] and got["errors"] == []

@@ -32,11 +32,12 @@ def main() -> None:
         work = Path(tmp)
         base = work / "base"
         subprocess.run(["git", "worktree", "add", "--detach", str(base), args.base], cwd=REPO, check=True)
-        env = {"KVGATE_BACKEND__FSYNC": "true" if args.fsync else "false"}
+        env = {"KVGATE_BACKEND__KIND": "fs", "KVGATE_BACKEND__FSYNC": "true" if args.fsync else "false"}
         results: dict[str, dict[str, list[float]]] = {"base": {"put": [], "get": []}, "this": {"put": [], "get": []}}
         try:
             for rnd in range(args.rounds):
                 for name, tree in (("base", base), ("this", REPO)):
+                    (work / f"{name}-{rnd}").mkdir()
                     gw = Gateway(work / f"{name}-{rnd}" / "data", env=env, repo=tree).start()
                     pids = [gw.proc.pid] if gw.proc else []
                     try:

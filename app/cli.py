@@ -9,6 +9,7 @@ import typer
 
 from app.admin_cli import register as register_admin_commands
 from app.bench import bench_command
+from app.events_cli import events_command
 from app.importer import import_command
 
 cli = typer.Typer(help="kvgate: a KV-cache block gateway for LLM inference.", no_args_is_help=True)
@@ -137,6 +138,7 @@ def token_new(
 
 cli.command(name="bench")(bench_command)
 cli.command(name="import")(import_command)
+cli.command(name="events")(events_command)
 
 
 register_admin_commands(cli)

@@ -144,6 +144,22 @@ class Settings(BaseSettings):
     )
     require_tls: bool = Field(default=False, description="refuse to start without TLS")
 
+    events_enabled: bool = Field(
+        default=False, description="publish KV events of committed changes (ZMQ in vLLM's format, GET /v1/events)"
+    )
+    events_endpoint: str | None = Field(
+        default="tcp://127.0.0.1:5557", description="ZMQ PUB address to bind; None: GET /v1/events only"
+    )
+    events_replay_endpoint: str | None = Field(
+        default="tcp://127.0.0.1:5558", description="ZMQ ROUTER address for replays of missed batches; None: none"
+    )
+    events_medium: str = Field(default="kvgate", description="the events' `medium` field")
+    events_topic: str = Field(default="", description="ZMQ topic of the batches")
+    events_int_hashes: bool = Field(
+        default=True, description="block hashes as vLLM's default: low 64 bits as an int (False: the hash's bytes)"
+    )
+    events_buffer: int = Field(default=10_000, gt=0, description="batches kept for replays")
+
     @property
     def tls_enabled(self) -> bool:
         return self.tls_certfile is not None

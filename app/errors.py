@@ -91,3 +91,7 @@ class Unauthorized(KVGateError):
 
 class Forbidden(KVGateError):
     pass
+
+
+class EventsDisabled(KVGateError):
+    """KV events are off (KVGATE_EVENTS_ENABLED) (404)."""

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 
 from app import __version__, auth, limits, metrics
-from app.api import admin, blocks, errors, health, lookup, namespaces
+from app.api import admin, blocks, errors, events, health, lookup, namespaces
 from app.config import Settings
+from app.events import EventBus
 from app.eviction import Capacity
 from app.index import Index, make_engine
 from app.index.migrate import upgrade_head
@@ -19,6 +24,9 @@ from app.keystate import MetaCache
 from app.reconcile import reconcile
 from app.service import BlockService
 from app.storage import build_store
+
+if TYPE_CHECKING:
+    from app.events_zmq import ZmqPublisher
 
 log = logging.getLogger("kvgate")
 
@@ -49,6 +57,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         svc = BlockService(
             store=store, index=index, cache=MetaCache(entries=cfg.meta_cache_entries, ttl_s=cfg.meta_cache_ttl_s)
         )
+        bus, publisher = await _start_events(cfg)
+        if bus is not None:
+            svc.events = bus
+        app.state.events = bus
         if cfg.reconcile_on_start:
             await reconcile(service=svc, concurrency=cfg.reconcile_concurrency)
         capacity = Capacity(service=svc, settings=cfg)
@@ -63,16 +75,60 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             await capacity.close()
             await svc.close()
+            if bus is not None:
+                await bus.close()
+            if publisher is not None:
+                await publisher.close()
             await index.close()
             await store.close()
 
     app = FastAPI(title="kvgate", version=__version__, description=DESCRIPTION, lifespan=lifespan)
     app.state.settings = cfg
     errors.install(app)
-    for module in (blocks, lookup, namespaces, admin, health):
+    for module in (blocks, lookup, namespaces, admin, events, health):
         app.include_router(module.router)
     limits.install(app, cfg)  # inside auth: an unauthenticated request takes no upload slot
     auth.install(app, cfg)
     if cfg.metrics_enabled:
         metrics.install(app)
     return app
+
+
+async def _start_events(cfg: Settings) -> tuple[EventBus | None, ZmqPublisher | None]:
+    """The event bus and its ZMQ publisher, when events are on (before reconcile: what it changes is published)."""
+    if not cfg.events_enabled:
+        return None, None
+    bus = EventBus(buffer=cfg.events_buffer)
+    publisher = None
+    if cfg.events_endpoint is not None:
+        from app.events_zmq import ZmqPublisher
+
+        publisher = ZmqPublisher(
+            endpoint=cfg.events_endpoint,
+            replay_endpoint=cfg.events_replay_endpoint,
+            topic=cfg.events_topic,
+            medium=cfg.events_medium,
+            int_hashes=cfg.events_int_hashes,
+            buffer=cfg.events_buffer,
+        )
+        publisher.start()
+        bus.sinks.append(publisher)
+        log.info("kv events: pub=%s replay=%s", publisher.endpoint, publisher.replay_endpoint)
+    _end_streams_on_exit(bus)
+    return bus, publisher
+
+
+def _end_streams_on_exit(bus: EventBus) -> None:
+    """uvicorn waits for open responses before it stops: end the event streams when it is told to stop."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        previous = signal.getsignal(sig)
+        if not callable(previous):
+            continue
+
+        def handler(signum: int, frame: FrameType | None, previous: Callable[..., Any] = previous) -> None:
+            loop.call_soon_threadsafe(bus.end_streams)
+            previous(signum, frame)
+
+        with contextlib.suppress(ValueError):  # not the main thread (an in-process test client): nothing to chain
+            signal.signal(sig, handler)

@@ -15,6 +15,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
 from app.errors import BlockNotFound, InvalidRequest, KVGateError, NamespaceNotFound
+from app.events import EventSink
 from app.index import BlockRecord, Candidate, Index
 from app.keystate import BlockMeta, MetaCache
 from app.parts import PartAssembler
@@ -46,6 +47,7 @@ class Removal:
     _versioned: bool
     _retiring: set[asyncio.Task[None]]
     _layouts: dict[str, int | None]
+    events: EventSink
     _usage: Callable[[str, int, int], None]
     _changing: Callable[[str], AbstractAsyncContextManager[None]]
 
@@ -74,6 +76,7 @@ class Removal:
         if old is None:
             return None
         self._usage(old.namespace, -1, -old.size)
+        self.events.removed(old)
         if self._versioned:
             self._retire(key, old.stamp)
             return old
@@ -172,6 +175,8 @@ class Removal:
         )
         swap = await self.index.swap_block(record, create_only=False)
         old = swap.old
+        if swap.written:
+            self.events.stored(record)
         if not swap.written and old is not None and old.stamp != stored.stamp:  # same bytes, another stamp
             await self.index.adopt_many([record])
         self._usage(key.namespace, 0 if old else 1, stored.size - (old.size if old else 0))
@@ -192,6 +197,7 @@ class Removal:
             except BlockNotFound:
                 if await self.index.remove_block(key.path, stamp=record.stamp, any_version=False) is not None:
                     self._usage(record.namespace, -1, -record.size)
+                    self.events.removed(record)
                     log.warning("repair: version object gone key=%s stamp=%s, row dropped", key.path, record.stamp)
                 return
             await reader.aclose()
@@ -200,6 +206,7 @@ class Removal:
         """Record versions reconcile found and hashed (before the gateway serves, or from ``kvgate gc``)."""
         records = list(records)
         await self.index.adopt_many(records)
+        self.events.stored_many(records)
         for r in records:
             self.cache.drop(r.key)
 
@@ -207,4 +214,6 @@ class Removal:
         """Drop rows whose data is gone (reconcile)."""
         for key in keys:
             self.cache.drop(key)
-        return await self.index.delete_blocks(keys)
+        dropped = await self.index.delete_blocks(keys)
+        self.events.removed_keys(keys)
+        return dropped

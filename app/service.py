@@ -36,6 +36,7 @@ from app.errors import (
     PreconditionFailed,
     VersionMismatch,
 )
+from app.events import NO_EVENTS, EventSink
 from app.index import BlockRecord, Index
 from app.keystate import BlockMeta, KeyLocks, MetaCache
 from app.parts import ByteSpan, PartAssembler, PartOutcome
@@ -107,6 +108,8 @@ class BlockService(Removal):
         self.counters = Counters()
         self.capacity: CapacityHook | None = None
         """Set by create_app (app/eviction.py)."""
+        self.events: EventSink = NO_EVENTS
+        """Told of each committed change (app/events.py); set by create_app."""
         self.changing = 0
         """Changes of keys in flight (a usage resync waits for none)."""
         self._versioned = bool(getattr(store, "versioned", False))
@@ -253,6 +256,7 @@ class BlockService(Removal):
             self._retire(path, old.stamp)
         meta = _meta(record)
         self.cache.put(meta)
+        self.events.stored(record)
         self._usage(key.namespace, 0 if old else 1, record.size - (old.size if old else 0))
         return PutResult(meta=meta, created=old is None)
 

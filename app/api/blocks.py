@@ -15,6 +15,7 @@ from app.api.errors import documented
 from app.api.thin import ThinRoute
 from app.config import Settings
 from app.errors import InvalidRequest, LengthRequired, PayloadTooLarge
+from app.events import META_HEADER, parse_meta_header, writer_meta
 from app.keystate import BlockMeta
 from app.parts import parse_content_range
 from app.reads import OpenBlock, read_range_verified, resolve_range
@@ -150,8 +151,13 @@ async def put_block(
     x_kvgate_part_sha256: Annotated[
         str | None, Header(alias=PART_DIGEST_HEADER, description="hex sha256 of this part's bytes")
     ] = None,
+    x_kvgate_block_meta: Annotated[
+        str | None, Header(alias=META_HEADER, description="`parent=<hex>; tokens=1,2,3`: for the KV events")
+    ] = None,
 ) -> Response:
     key = parse_key(path)
+    if x_kvgate_block_meta is not None:
+        writer_meta.set(parse_meta_header(x_kvgate_block_meta))
     if content_length is None:
         raise LengthRequired("Content-Length is required")
     if content_length > cfg.max_block_bytes:

@@ -26,6 +26,7 @@ ERROR_TABLE: dict[type[Exception], tuple[int, str]] = {
     e.Forbidden: (403, "forbidden"),
     e.BlockNotFound: (404, "not_found"),
     e.NamespaceNotFound: (404, "namespace_not_found"),
+    e.EventsDisabled: (404, "events_disabled"),
     e.Conflict: (409, "conflict"),
     e.LengthRequired: (411, "length_required"),
     e.RequestTimeout: (408, "request_timeout"),

@@ -90,6 +90,7 @@ class Event:
     group: int
     rank: int
     size: int
+    digest: str | None = None
     meta: WriterMeta | None = None
 
     def as_json(self) -> dict[str, Any]:
@@ -102,6 +103,8 @@ class Event:
             "rank": self.rank,
             "size": self.size,
         }
+        if self.kind == "stored":
+            out["digest"] = self.digest
         if self.meta is not None:
             out["token_ids"] = list(self.meta.token_ids)
             out["parent_block_hash"] = self.meta.parent
@@ -167,6 +170,7 @@ def _event(kind: Literal["stored", "removed"], record: BlockRecord, meta: Writer
         group=record.group,
         rank=record.rank,
         size=record.size,
+        digest=record.digest,
         meta=meta,
     )
 

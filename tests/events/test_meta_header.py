@@ -1,0 +1,42 @@
+"""X-KVGate-Block-Meta: what a writer may say about a block, bounded; and the wire form of hashes."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.errors import InvalidRequest
+from app.events import MAX_META_TOKENS, WriterMeta, parse_meta_header
+from app.events_zmq import wire_hash
+
+PARENT = "ab" * 32
+
+
+def test_parse() -> None:
+    assert parse_meta_header(f"parent={PARENT.upper()}; tokens=1,2,3") == WriterMeta((1, 2, 3), PARENT)
+    assert parse_meta_header("tokens=5") == WriterMeta((5,), None)
+    assert parse_meta_header("") == WriterMeta((), None)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "tokens=1,-2",
+        "tokens=1,,2",
+        "parent=xyz",
+        "parent=" + "a" * 65,
+        "colour=red",
+        "tokens",
+        "tokens=" + ",".join(["1"] * (MAX_META_TOKENS + 1)),
+        "tokens=" + "1" * 9000,
+    ],
+)
+def test_refused(value: str) -> None:
+    with pytest.raises(InvalidRequest):
+        parse_meta_header(value)
+
+
+def test_wire_hash_is_vllms_default_form() -> None:
+    # vllm.v1.core.kv_cache_utils.maybe_convert_block_hash: int.from_bytes(h, "big") & (2**64 - 1)
+    h = bytes(range(32))
+    assert wire_hash(h.hex(), as_int=True) == int.from_bytes(h, "big") & ((1 << 64) - 1)
+    assert wire_hash(h.hex(), as_int=False) == h

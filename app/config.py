@@ -148,10 +148,10 @@ class Settings(BaseSettings):
         default=False, description="publish KV events of committed changes (ZMQ in vLLM's format, GET /v1/events)"
     )
     events_endpoint: str | None = Field(
-        default="tcp://127.0.0.1:5557", description="ZMQ PUB address to bind; None: GET /v1/events only"
+        default="tcp://127.0.0.1:5557", description="ZMQ PUB address to bind; empty: GET /v1/events only"
     )
     events_replay_endpoint: str | None = Field(
-        default="tcp://127.0.0.1:5558", description="ZMQ ROUTER address for replays of missed batches; None: none"
+        default="tcp://127.0.0.1:5558", description="ZMQ ROUTER address for replays of missed batches; empty: none"
     )
     events_medium: str = Field(default="kvgate", description="the events' `medium` field")
     events_topic: str = Field(default="", description="ZMQ topic of the batches")

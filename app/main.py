@@ -100,12 +100,12 @@ async def _start_events(cfg: Settings) -> tuple[EventBus | None, ZmqPublisher | 
         return None, None
     bus = EventBus(buffer=cfg.events_buffer)
     publisher = None
-    if cfg.events_endpoint is not None:
+    if cfg.events_endpoint:
         from app.events_zmq import ZmqPublisher
 
         publisher = ZmqPublisher(
             endpoint=cfg.events_endpoint,
-            replay_endpoint=cfg.events_replay_endpoint,
+            replay_endpoint=cfg.events_replay_endpoint or None,
             topic=cfg.events_topic,
             medium=cfg.events_medium,
             int_hashes=cfg.events_int_hashes,

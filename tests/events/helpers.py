@@ -29,10 +29,12 @@ def events_gateway(data_dir: Path, *, env: Mapping[str, str] | None = None) -> G
 
 
 def sse(resp: httpx.Response) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(event, data) of each server-sent event of a streaming response (heartbeats skipped)."""
+    """(event, data) of each server-sent event of a streaming response; a heartbeat is ("heartbeat", {})."""
     event, data = "message", ""
     for line in resp.iter_lines():
-        if not line:
+        if line.startswith(":"):
+            yield "heartbeat", {}
+        elif not line:
             if data:
                 yield event, json.loads(data)
             event, data = "message", ""
@@ -52,7 +54,8 @@ def hello(url: str) -> dict[str, Any]:
 
 
 def read_batches(url: str, *, since: int, events: int, namespace: str | None = None) -> list[dict[str, Any]]:
-    """Batches from ``since`` until ``events`` events have come."""
+    """Batches from ``since`` until ``events`` events have come. The changes were acknowledged before this reads,
+    so their batches are all in the ring and come at once: a heartbeat means no more are coming."""
     params: dict[str, Any] = {"since": since}
     if namespace is not None:
         params["namespace"] = namespace
@@ -60,7 +63,7 @@ def read_batches(url: str, *, since: int, events: int, namespace: str | None = N
     with httpx.stream("GET", f"{url}/v1/events", params=params, timeout=60) as resp:
         assert resp.status_code == 200, resp.read()
         for event, data in sse(resp):
-            assert event in ("hello", "batch"), (event, data)
+            assert event in ("hello", "batch"), (event, data, f"{sum(len(b['events']) for b in out)} events")
             if event == "batch":
                 out.append(data)
                 if sum(len(b["events"]) for b in out) >= events:

@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import json
 import random
+import signal
 from pathlib import Path
 
 import httpx
@@ -141,5 +142,21 @@ def test_restart_sequence_goes_on_and_stream_says_gap(tmp_path: Path) -> None:
                 event, data = next(stream)
                 assert event == "batch" and data["seq"] == after["next_seq"]
                 assert [e["key"] for e in data["events"]] == [key_for(2)]
+    finally:
+        gw.stop()
+
+
+def test_open_stream_ends_when_the_gateway_stops(tmp_path: Path) -> None:
+    """uvicorn waits for open responses before it stops: SIGTERM ends the event streams (``event: closed``)."""
+    gw = events_gateway(tmp_path / "data").start()
+    try:
+        with httpx.stream("GET", f"{gw.url}/v1/events", timeout=30) as resp:
+            stream = sse(resp)
+            assert next(stream)[0] == "hello"
+            assert gw.proc is not None
+            gw.proc.terminate()
+            assert next(stream)[0] == "closed"
+        # it stops by itself (uvicorn re-raises the SIGTERM it caught once it has shut down), no kill -9 needed
+        assert gw.proc.wait(30) in (0, -signal.SIGTERM)
     finally:
         gw.stop()

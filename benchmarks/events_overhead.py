@@ -1,0 +1,227 @@
+"""PUT throughput with KV events on and off, in one run on one machine, and the events/s a subscriber receives.
+
+    .venv/bin/python -m benchmarks.events_overhead [--count 2000] [--concurrency 16] [--block-size 4096] [--rounds 3]
+
+Starts two gateways on loopback (filesystem backend, each its own data dir): events off, and events on (ZMQ PUB and
+replay sockets on loopback) with a ZMQ subscriber in this process decoding every batch. Runs ``kvgate bench``
+(aiohttp, PUT phase only, new keys and bytes each round) against each in turn for ``--rounds`` rounds, interleaved,
+so that load from elsewhere on the machine falls on both alike. Prints median PUT req/s of each, their ratio, and
+the events the subscriber decoded per second of the PUT phases (every committed PUT is one BlockStored). Small
+blocks make the request rate, and so the per-event cost, as high as it gets. CI does not run this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+
+from app.events import EventBus
+from app.events_zmq import KVEventBatch, ZmqPublisher
+from app.index import BlockRecord
+from tests.conftest import key_for
+from tests.events.helpers import events_gateway
+from tests.gateway import REPO, Gateway
+
+
+class Counter(threading.Thread):
+    def __init__(self, endpoint: str) -> None:
+        super().__init__(daemon=True)
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.connect(endpoint)
+        self.sock.setsockopt_string(zmq.SUBSCRIBE, "")
+        self.events = 0
+        self.batches = 0
+        self.stop = False
+        self.target = 0
+        self.reached = threading.Event()
+
+    def run(self) -> None:
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        while not self.stop:
+            if self.sock.poll(100):
+                _topic, _seq, payload = self.sock.recv_multipart()
+                self.events += len(decoder.decode(payload).events)
+                self.batches += 1
+                if self.target and self.events >= self.target:
+                    self.reached.set()
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+def cpu_seconds(gw: Gateway) -> float:
+    """User + system CPU seconds of a gateway process so far (Linux /proc)."""
+    assert gw.proc is not None
+    fields = Path(f"/proc/{gw.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def bench(url: str, out: Path, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "app", "bench", "--url", url, "--quiet", "--json", str(out), "--seed", str(seed)]
+    cmd += ["-c", str(args.concurrency), "-n", str(args.count), "--block-size", str(args.block_size)]
+    cmd += ["--phases", "put"]
+    subprocess.run(cmd, cwd=REPO, check=True, timeout=600)
+    result: dict[str, Any] = json.loads(out.read_text())
+    if result["errors"]:
+        raise SystemExit(f"bench against {url} had errors: {result['first_errors']}")
+    put: dict[str, Any] = result["phases"][0]["ops"]["put"]
+    return put
+
+
+async def _publish(n: int, endpoint: str, counter: Counter) -> float:
+    """Seconds for ``n`` events, one per loop turn (one batch each: the worst case), until all are decoded."""
+    import asyncio
+
+    publisher = ZmqPublisher(endpoint=endpoint, replay_endpoint=None)
+    bus = EventBus(sinks=[publisher])
+    records = [_record(key_for(i)) for i in range(1000)]
+    counter.target = n
+    await asyncio.sleep(0.5)  # the subscriber joins
+    start = time.perf_counter()
+    for i in range(n):
+        bus.stored(records[i % len(records)])
+        await asyncio.sleep(0)
+    await asyncio.to_thread(counter.reached.wait, 120)
+    seconds = time.perf_counter() - start
+    await bus.close()
+    await publisher.close()
+    return seconds
+
+
+def loop_cost_us(n: int) -> float:
+    """CPU microseconds one event costs the gateway's loop: record -> event, batch, msgpack, PUB send, ring."""
+    import asyncio
+
+    from tests.gateway import free_port
+
+    async def run() -> float:
+        publisher = ZmqPublisher(endpoint=f"tcp://127.0.0.1:{free_port()}", replay_endpoint=None)
+        bus = EventBus(sinks=[publisher])
+        records = [_record(key_for(i)) for i in range(1000)]
+        start = time.process_time()
+        for i in range(n):
+            bus.stored(records[i % len(records)])
+            bus.flush()
+        seconds = time.process_time() - start
+        await bus.close()
+        await publisher.close()
+        return 1e6 * seconds / n
+
+    return asyncio.run(run())
+
+
+def _record(key: str) -> BlockRecord:
+    return BlockRecord(
+        key=key,
+        namespace=key.split("_r0/")[0],
+        rank=0,
+        group=0,
+        size=4096,
+        digest="0" * 64,
+        created_at=0.0,
+        last_access=0.0,
+        hits=0,
+        stamp=None,
+    )
+
+
+def publisher_capacity(n: int) -> float:
+    """Events/s the bus and the ZMQ publisher sustain on one event loop, decoded by a subscriber thread."""
+    import asyncio
+
+    from tests.gateway import free_port
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    counter = Counter(endpoint)
+    counter.start()
+    try:
+        return n / asyncio.run(_publish(n, endpoint, counter))
+    finally:
+        counter.stop = True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--count", type=int, default=2000, help="PUTs per run")
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=4096)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--durable", action="store_true", help="fsync and SQLite FULL (default: both off, faster)")
+    parser.add_argument("--publisher-events", type=int, default=50_000, help="events for the publisher-only run")
+    args = parser.parse_args()
+    fast = (
+        {}
+        if args.durable
+        else {"KVGATE_BACKEND__KIND": "fs", "KVGATE_BACKEND__FSYNC": "false", "KVGATE_SQLITE_SYNCHRONOUS": "OFF"}
+    )
+
+    with tempfile.TemporaryDirectory(prefix="kvgate-events-bench-") as tmp:
+        root = Path(tmp)
+        off = Gateway(root / "off", env=fast)
+        on = events_gateway(root / "on", env=fast)
+        figures: dict[str, list[float]] = {"events off": [], "events on": []}
+        cpu: dict[str, list[float]] = {"events off": [], "events on": []}
+        ratios: list[float] = []
+        rates: list[float] = []
+        counter = Counter(on.pub)  # type: ignore[attr-defined]
+        try:
+            off.start()
+            on.start()
+            counter.start()
+            for r in range(args.rounds):
+                runs = [("events off", off), ("events on", on)]
+                for name, gw in runs if r % 2 == 0 else runs[::-1]:  # alternate who goes first
+                    before, cpu0 = counter.events, cpu_seconds(gw)
+                    put = bench(gw.url, root / f"{name}-{r}.json", args, seed=r)
+                    cpu[name].append(1e6 * (cpu_seconds(gw) - cpu0) / args.count)
+                    figures[name].append(put["req_s"])
+                    if gw is on:
+                        counter.target = before + args.count
+                        counter.reached.wait(60)
+                        got = counter.events - before
+                        if got != args.count:
+                            raise SystemExit(f"round {r}: the subscriber decoded {got} events for {args.count} PUTs")
+                        rates.append(got / put["seconds"])
+                        counter.reached.clear()
+                ratios.append(figures["events on"][-1] / figures["events off"][-1])
+        finally:
+            counter.stop = True
+            on.stop()
+            off.stop()
+
+    mode = "fsync + SQLite FULL" if args.durable else "no fsync, SQLite synchronous OFF"
+    print(
+        f"\nkvgate PUT with KV events: {args.count} x {args.block_size} B PUTs, concurrency {args.concurrency}, "
+        f"{os.cpu_count()} cores shared by client, servers and subscriber, {args.rounds} rounds (order alternating), "
+        f"{mode}"
+    )
+    for name, values in figures.items():
+        med = statistics.median(values)
+        print(
+            f"{name:<11} PUT req/s {med:8.0f} ({min(values):.0f}-{max(values):.0f})  "
+            f"gateway CPU per PUT {statistics.median(cpu[name]):6.0f} us"
+        )
+    print(f"PUT req/s on/off, median of the rounds' ratios: {statistics.median(ratios):.3f} {sorted(ratios)}")
+    cost = statistics.median(cpu["events on"]) - statistics.median(cpu["events off"])
+    print(f"gateway CPU per PUT on - off: {cost:.0f} us")
+    print(f"events decoded by a ZMQ subscriber: {statistics.median(rates):.0f}/s (median of rounds), none missing")
+    capacity = publisher_capacity(args.publisher_events)
+    print(f"publisher alone (bus + ZMQ, one batch per event, one loop): {capacity:.0f} events/s")
+    print(f"CPU per event on the gateway's loop (no subscriber): {loop_cost_us(args.publisher_events):.1f} us")
+
+
+if __name__ == "__main__":
+    main()

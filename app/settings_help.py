@@ -85,6 +85,18 @@ def readme_section(text: str) -> str:
     return text[start : end + len(README_END)] if 0 <= start < end else ""
 
 
+def rewrite_readme(path: Path) -> bool:
+    """Put the generated table between the README's markers; True when the file changed."""
+    text = path.read_text()
+    section = readme_section(text)
+    if not section:
+        raise ValueError(f"{path} has no settings table markers")
+    new = text.replace(section, markdown_table())
+    if new != text:
+        path.write_text(new)
+    return new != text
+
+
 def help_epilog() -> str:
     """For ``kvgate serve --help``."""
     from rich.markup import escape
@@ -137,5 +149,11 @@ def error_lines(exc: ValidationError | SettingsError) -> list[str]:
 def is_settings_error(exc: BaseException) -> bool:
     return isinstance(exc, SettingsError) or (isinstance(exc, ValidationError) and exc.title == Settings.__name__)
 
+
+if __name__ == "__main__":  # python -m app.settings_help README.md: regenerate the table in place
+    import sys
+
+    for name in sys.argv[1:]:
+        print(f"{name}: {'updated' if rewrite_readme(Path(name)) else 'up to date'}")
 
 __all__ = ["Row", "error_lines", "help_epilog", "is_settings_error", "markdown_table", "readme_section", "rows"]

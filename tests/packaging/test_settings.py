@@ -69,7 +69,7 @@ def test_a_bad_setting_is_one_line_and_exit_2(tmp_path: Path, env: dict[str, str
 
 def test_readme_table_is_the_generated_one() -> None:
     readme = (REPO / "README.md").read_text()
-    assert readme_section(readme) == markdown_table(), "paste the output of `kvgate settings --markdown` in README.md"
+    assert readme_section(readme) == markdown_table(), "regenerate it: python -m app.settings_help README.md"
 
 
 def test_serve_help_lists_every_setting() -> None:

@@ -88,6 +88,8 @@ def test_the_package_is_imported_from_the_venv(installed: Installed, tmp_path: P
     )
     assert out.returncode == 0, out.stderr
     assert all(Path(p).is_relative_to(installed.site) for p in out.stdout.split())
+    check = installed.run(["python", "-m", "pip", "check"], cwd=tmp_path)
+    assert check.returncode == 0, check.stdout
     shipped = sorted(p.name for p in (installed.site / "app" / "migrations" / "versions").glob("*.py"))
     assert shipped == sorted(p.name for p in (REPO / "alembic" / "versions").glob("*.py"))
 
@@ -140,7 +142,6 @@ def test_alembic_upgrade_head_from_the_install(installed: Installed, tmp_path: P
     assert ini.returncode == 0, ini.stderr
     assert Path(ini.stdout.strip()).is_relative_to(installed.site)
     data = tmp_path / "data"
-    data.mkdir()
     out = installed.run(
         ["alembic", "-c", ini.stdout.strip(), "upgrade", "head"], cwd=tmp_path, KVGATE_DATA_DIR=str(data)
     )

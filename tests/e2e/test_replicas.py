@@ -179,7 +179,10 @@ async def _s3_objects(moto: MotoServer, bucket: str, prefix: str) -> dict[str, b
         pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
         async for page in pages:
             for obj in page.get("Contents", ()):
-                body = await s3.get_object(Bucket=bucket, Key=obj["Key"])
+                try:
+                    body = await s3.get_object(Bucket=bucket, Key=obj["Key"])
+                except s3.exceptions.NoSuchKey:
+                    continue  # a retired version deleted between the listing and the read
                 async with body["Body"] as stream:
                     found[obj["Key"][len(prefix) :]] = await stream.read()
     return found

@@ -37,6 +37,13 @@ class PurgeReport:
     config: bool
 
 
+def _version_of(record: BlockRecord) -> Candidate:
+    """The version a row names, as removal's ``expect`` (removed only if the row still names it)."""
+    return Candidate(
+        key=record.key, namespace=record.namespace, size=record.size, created_at=record.created_at, stamp=record.stamp
+    )
+
+
 class Removal:
     """Mixed into BlockService; the attributes below are BlockService's."""
 
@@ -193,20 +200,13 @@ class Removal:
             try:
                 reader = await self.store.open(key.path, stamp=record.stamp)
             except BlockNotFound:
-                if await self.index.remove_block(key.path, stamp=record.stamp, any_version=False) is not None:
-                    self._usage(record.namespace, -1, -record.size)
+                if await self._remove_locked(key.path, expect=_version_of(record)) is not None:
                     log.warning("repair: version object gone key=%s stamp=%s, row dropped", key.path, record.stamp)
                 return
             await reader.aclose()
 
     async def _verify_locked(self, record: BlockRecord) -> None:
-        expect = Candidate(
-            key=record.key,
-            namespace=record.namespace,
-            size=record.size,
-            created_at=record.created_at,
-            stamp=record.stamp,
-        )
+        expect = _version_of(record)
         try:
             stored = await self.store.digest(record.key)
         except BlockNotFound:

@@ -27,10 +27,11 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connector.client import BlockClient, ClientConfig
+from connector.layout import BackendLayout, LayoutError, backend_layout, layer_views
 from connector.pipeline import WorkerPipeline
 from connector.plan import KeyScheme, SchedulerPlanner, StepPlan
 from connector.protocol import KVGroup, RunNaming, naming
-from connector.transfer import BlockTransfer, KVLayout
+from connector.transfer import BlockTransfer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -65,6 +66,15 @@ class RunShape:
     world_size: int
     block_size: int
     hash_block_size: int
+    head_size: int
+    itemsize: int
+    layout: BackendLayout
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one whole canonical block: all KV heads of all layers of the (single) group."""
+        layers = len(self.groups[0].layer_names) if self.groups else 0
+        return self.total_kv_heads * layers * 2 * self.block_size * self.head_size * self.itemsize
 
     def naming(self, rank: int) -> RunNaming:
         return naming(
@@ -79,6 +89,8 @@ class RunShape:
             pp_size=self.pp_size,
             pcp_size=self.pcp_size,
             dcp_size=self.dcp_size,
+            block_bytes=self.block_bytes,
+            kv_layout=None if self.layout.certified else self.layout.layout_id,
         )
 
     @property
@@ -106,6 +118,7 @@ def run_shape(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> RunSha
     first = kv_cache_config.kv_cache_groups[0].kv_cache_spec if kv_cache_config.kv_cache_groups else None
     block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
     dtype = model.dtype if cache.cache_dtype == "auto" else cache.cache_dtype
+    head_size = int(getattr(first, "head_size", 0))
     return RunShape(
         model_name=model.model,
         dtype=str(dtype).removeprefix("torch."),
@@ -120,6 +133,48 @@ def run_shape(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> RunSha
         world_size=par.world_size,
         block_size=block_size,
         hash_block_size=hash_block_size,
+        head_size=head_size,
+        itemsize=int(first.dtype.itemsize) if first is not None else 1,
+        layout=resolve_layout(vllm_config, first),
+    )
+
+
+def attention_backend_name(vllm_config: VllmConfig, spec: Any) -> str:
+    """The attention backend vLLM picks for a group's layers, computed the same way in every process."""
+    from vllm.config import set_current_vllm_config
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.selector import get_attn_backend
+
+    chosen = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    if chosen is not None:
+        return str(chosen.name)
+    if current_platform.is_cpu():
+        return "CPU_ATTN"
+    with set_current_vllm_config(vllm_config):
+        backend = get_attn_backend(spec.head_size, vllm_config.model_config.dtype, vllm_config.cache_config.cache_dtype)
+    return str(backend.get_name())
+
+
+def resolve_layout(vllm_config: VllmConfig, spec: Any) -> BackendLayout:
+    """The page layout of the first group, from vLLM's declarations (backend, spec, KV-cache layout, CPU ISA)."""
+    cache = vllm_config.cache_config
+    if spec is None or not isinstance(spec, FullAttentionSpec):
+        return backend_layout(backend="none", kv_cache_layout="", head_size=0, head_size_v=1)
+    backend = attention_backend_name(vllm_config, spec)
+    isa = None
+    if backend == "CPU_ATTN":
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = _get_attn_isa(vllm_config.model_config.dtype, spec.block_size, spec.head_size, cache.cache_dtype)
+    dense = all(getattr(spec, f, None) is None for f in ("num_head_slots", "state_content_bytes", "page_size_padded"))
+    return backend_layout(
+        backend=backend,
+        kv_cache_layout=str(cache.kv_cache_layout or ""),
+        head_size=spec.head_size,
+        head_size_v=getattr(spec, "head_size_v", None) or spec.head_size,
+        kv_cache_dtype=str(cache.cache_dtype),
+        dense_page=dense,
+        cpu_isa=isa,
     )
 
 
@@ -134,20 +189,9 @@ def client_config(extra: dict[str, Any]) -> ClientConfig:
     )
 
 
-def as_layer_tensor(kv: torch.Tensor, *, num_kv_heads: int, block_size: int) -> tuple[torch.Tensor, KVLayout]:
-    """A ``(2, blocks, ...)`` view of one layer's KV tensor, whatever the backend's axis order, and its layout."""
-    if kv.dim() == 5 and kv.shape[1] == 2 and kv.shape[0] != 2:
-        kv = kv.transpose(0, 1)
-    if kv.dim() == 4:  # [blocks, H|N, N|H, 2 * head_size]: K and V side by side in the content axis
-        b, x, y, c = kv.shape
-        kv = kv.view(b, x, y, 2, c // 2).permute(3, 0, 1, 2, 4)
-    if kv.dim() != 5 or kv.shape[0] != 2:
-        raise ValueError(f"unsupported KV tensor shape {tuple(kv.shape)}")
-    if kv.shape[2] == block_size and kv.shape[3] == num_kv_heads:
-        return kv, KVLayout.NHD
-    if kv.shape[2] == num_kv_heads and kv.shape[3] == block_size:
-        return kv, KVLayout.HND
-    raise ValueError(f"cannot tell heads from tokens in KV tensor shape {tuple(kv.shape)}")
+def _log_config_failure(future: Any) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("kvgate: namespace config not recorded: %s", future.exception())
 
 
 class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
@@ -240,14 +284,35 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     # -- worker side ---------------------------------------------------------------------------------------
 
+    def _check_layers(self) -> None:
+        """The layers' real backend (and CPU ISA) must be the one the namespace was named after."""
+        context = self._vllm_config.compilation_config.static_forward_context
+        for group in self.shape.groups:
+            for name in group.layer_names:
+                layer = context.get(name)
+                backend = getattr(layer, "attn_backend", None)
+                if backend is not None and backend.get_name() != self.shape.layout.backend:
+                    raise LayoutError(f"layer {name} runs {backend.get_name()}, named for {self.shape.layout.backend}")
+                isa = getattr(layer, "isa", None)
+                if isa is not None and self.shape.layout.backend == "CPU_ATTN" and isa not in self.shape.layout.detail:
+                    raise LayoutError(f"layer {name} runs CPU ISA {isa}, named for {self.shape.layout.layout_id}")
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if not self.shape.movable:
+            return
+        self._check_layers()  # a layout other than the one named would store wrong bytes: refuse to start
         transfers = []
         for group in self.shape.groups:
-            layers, layout = {}, KVLayout.NHD
+            layers = {}
             for name in group.layer_names:
-                layers[name], layout = as_layer_tensor(
-                    kv_caches[name], num_kv_heads=self.shape.num_kv_heads, block_size=group.tokens_per_block
+                views, layout = layer_views(
+                    kv_caches[name],
+                    layout=self.shape.layout,
+                    num_kv_heads=self.shape.num_kv_heads,
+                    block_size=group.tokens_per_block,
+                    head_size=self.shape.head_size,
                 )
+                layers.update({f"{name}#{i}": v for i, v in enumerate(views)})
             transfers.append(
                 BlockTransfer(
                     kv_caches=layers,
@@ -264,6 +329,9 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             tp_size=self.shape.tp_size,
             tp_rank=self.shape.rank % self.shape.tp_size,
         )
+        if self.shape.rank == 0:  # the namespace's fields (format, layout id, block size) for the gateway's checks
+            put = self.client.put_config(self.naming.namespace, dict(self.naming.fields))
+            self.client.submit(put).add_done_callback(_log_config_failure)
 
     def _plan(self) -> StepPlan | None:
         if self.pipeline is None or not self.has_connector_metadata():

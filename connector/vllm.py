@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvgate.connector.vllm")
@@ -150,8 +151,13 @@ def attention_backend_name(vllm_config: VllmConfig, spec: Any) -> str:
         return str(chosen.name)
     if current_platform.is_cpu():
         return "CPU_ATTN"
-    with set_current_vllm_config(vllm_config):
-        backend = get_attn_backend(spec.head_size, vllm_config.model_config.dtype, vllm_config.cache_config.cache_dtype)
+    try:
+        with set_current_vllm_config(vllm_config):
+            model, cache = vllm_config.model_config, vllm_config.cache_config
+            backend = get_attn_backend(spec.head_size, model.dtype, cache.cache_dtype)
+    except Exception as exc:  # then the pages are kept as they are, per rank, under an "unknown" layout id
+        log.warning("kvgate: cannot tell the attention backend (%s): its layout is not certified", exc)
+        return "unknown"
     return str(backend.get_name())
 
 
@@ -212,6 +218,8 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._pending_free: set[str] = set()
         self._loading: set[str] = set()
         self._load_errors: set[int] = set()
+        self._load_blocks: dict[str, set[int]] = {}  # scheduler: the blocks each request is loading into
+        self._recompute: set[str] = set()  # scheduler: requests whose load failed; vLLM recomputes, never reloads
         if role == KVConnectorRole.SCHEDULER:
             ranks = [0] if self.naming.parallel_agnostic else list(range(self.shape.world_size))
             self.planner = SchedulerPlanner(
@@ -231,8 +239,8 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     # -- scheduler side ------------------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if self.planner is None:
-            return 0, False
+        if self.planner is None or request.request_id in self._recompute:
+            return 0, False  # a failed load is not retried: the gateway may still list the bad block
         n = self.planner.matched_tokens(
             req_id=request.request_id,
             block_hashes=request.block_hashes,
@@ -245,9 +253,20 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if self.planner is not None:
+            if num_external_tokens > 0:
+                self._load_blocks[request.request_id] = {b for ids in blocks.get_block_ids() for b in ids}
             self.planner.after_alloc(
                 req_id=request.request_id, block_ids=blocks.get_block_ids(), num_external_tokens=num_external_tokens
             )
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Scheduler side: a request whose load failed (vLLM reschedules it) gets no external tokens again."""
+        bad = set(connector_output.invalid_block_ids or ())
+        for req_id, ids in list(self._load_blocks.items()):
+            if ids & bad:
+                self._recompute.add(req_id)
+        for req_id in connector_output.finished_recving or ():
+            self._load_blocks.pop(req_id, None)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if self.planner is None:
@@ -275,6 +294,8 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.planner is None:
             return False, None
+        self._load_blocks.pop(request.request_id, None)
+        self._recompute.discard(request.request_id)
         return self.planner.finished(request.request_id), None
 
     def request_finished_all_groups(
@@ -291,10 +312,12 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             for name in group.layer_names:
                 layer = context.get(name)
                 backend = getattr(layer, "attn_backend", None)
-                if backend is not None and backend.get_name() != self.shape.layout.backend:
-                    raise LayoutError(f"layer {name} runs {backend.get_name()}, named for {self.shape.layout.backend}")
+                named = self.shape.layout.backend
+                if backend is not None and named != "unknown" and backend.get_name() != named:
+                    raise LayoutError(f"layer {name} runs {backend.get_name()}, named for {named}")
                 isa = getattr(layer, "isa", None)
-                if isa is not None and self.shape.layout.backend == "CPU_ATTN" and isa not in self.shape.layout.detail:
+                named_isa = self.shape.layout.detail.split("/")[0]
+                if isa is not None and self.shape.layout.backend == "CPU_ATTN" and isa != named_isa:
                     raise LayoutError(f"layer {name} runs CPU ISA {isa}, named for {self.shape.layout.layout_id}")
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -27,11 +27,12 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connector.client import BlockClient, ClientConfig
-from connector.layout import BackendLayout, LayoutError, backend_layout, layer_views
+from connector.layout import BackendLayout, layer_views
 from connector.pipeline import WorkerPipeline
 from connector.plan import KeyScheme, SchedulerPlanner, StepPlan
 from connector.protocol import KVGroup, RunNaming, naming
 from connector.transfer import BlockTransfer
+from connector.vllm_layout import check_layers, resolve_layout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -137,50 +138,6 @@ def run_shape(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> RunSha
         head_size=head_size,
         itemsize=int(first.dtype.itemsize) if first is not None else 1,
         layout=resolve_layout(vllm_config, first),
-    )
-
-
-def attention_backend_name(vllm_config: VllmConfig, spec: Any) -> str:
-    """The attention backend vLLM picks for a group's layers, computed the same way in every process."""
-    from vllm.config import set_current_vllm_config
-    from vllm.platforms import current_platform
-    from vllm.v1.attention.selector import get_attn_backend
-
-    chosen = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
-    if chosen is not None:
-        return str(chosen.name)
-    if current_platform.is_cpu():
-        return "CPU_ATTN"
-    try:
-        with set_current_vllm_config(vllm_config):
-            model, cache = vllm_config.model_config, vllm_config.cache_config
-            backend = get_attn_backend(spec.head_size, model.dtype, cache.cache_dtype)
-    except Exception as exc:  # then the pages are kept as they are, per rank, under an "unknown" layout id
-        log.warning("kvgate: cannot tell the attention backend (%s): its layout is not certified", exc)
-        return "unknown"
-    return str(backend.get_name())
-
-
-def resolve_layout(vllm_config: VllmConfig, spec: Any) -> BackendLayout:
-    """The page layout of the first group, from vLLM's declarations (backend, spec, KV-cache layout, CPU ISA)."""
-    cache = vllm_config.cache_config
-    if spec is None or not isinstance(spec, FullAttentionSpec):
-        return backend_layout(backend="none", kv_cache_layout="", head_size=0, head_size_v=1)
-    backend = attention_backend_name(vllm_config, spec)
-    isa = None
-    if backend == "CPU_ATTN":
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        isa = _get_attn_isa(vllm_config.model_config.dtype, spec.block_size, spec.head_size, cache.cache_dtype)
-    dense = all(getattr(spec, f, None) is None for f in ("num_head_slots", "state_content_bytes", "page_size_padded"))
-    return backend_layout(
-        backend=backend,
-        kv_cache_layout=str(cache.kv_cache_layout or ""),
-        head_size=spec.head_size,
-        head_size_v=getattr(spec, "head_size_v", None) or spec.head_size,
-        kv_cache_dtype=str(cache.cache_dtype),
-        dense_page=dense,
-        cpu_isa=isa,
     )
 
 
@@ -305,25 +262,11 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     # -- worker side ---------------------------------------------------------------------------------------
 
-    def _check_layers(self) -> None:
-        """The layers' real backend (and CPU ISA) must be the one the namespace was named after."""
-        context = self._vllm_config.compilation_config.static_forward_context
-        for group in self.shape.groups:
-            for name in group.layer_names:
-                layer = context.get(name)
-                backend = getattr(layer, "attn_backend", None)
-                named = self.shape.layout.backend
-                if backend is not None and named != "unknown" and backend.get_name() != named:
-                    raise LayoutError(f"layer {name} runs {backend.get_name()}, named for {named}")
-                isa = getattr(layer, "isa", None)
-                named_isa = self.shape.layout.detail.split("/")[0]
-                if isa is not None and self.shape.layout.backend == "CPU_ATTN" and isa != named_isa:
-                    raise LayoutError(f"layer {name} runs CPU ISA {isa}, named for {self.shape.layout.layout_id}")
-
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if not self.shape.movable:
             return
-        self._check_layers()  # a layout other than the one named would store wrong bytes: refuse to start
+        # a layout other than the one the namespace is named after would store wrong bytes: refuse to start
+        check_layers(self._vllm_config, groups=self.shape.groups, layout=self.shape.layout)
         transfers = []
         for group in self.shape.groups:
             layers = {}

@@ -38,14 +38,10 @@ def run(py: str, model: Path, work: Path, name: str, **spec: Any) -> list[dict[s
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     t = time.monotonic()
     with (work / f"{name}.log").open("wb") as log:
-        subprocess.run(
-            [py, str(REPO / "tests/engine/driver.py"), str(spec_path), str(out)],
-            check=True,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=REPO,
-        )
+        argv = [py, str(REPO / "tests/engine/driver.py"), str(spec_path), str(out)]
+        proc = subprocess.run(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, check=False)
+    if proc.returncode:
+        sys.exit(f"{name} failed:\n{(work / f'{name}.log').read_text(errors='replace')[-4000:]}")
     print(f"  {name}: process {time.monotonic() - t:.0f}s", flush=True)
     return list(json.loads(out.read_text())["results"])
 
@@ -87,7 +83,7 @@ def main() -> None:
             check=True,
         )
         prompts = [prompt_of(n, seed=5000 + i) for i, n in enumerate(a.tokens)]
-        common = {"dtype": a.dtype, "max_model_len": max(a.tokens) * 2 + 256}
+        common = {"dtype": a.dtype, "max_model_len": int(max(a.tokens) * 1.25) + 256}  # prompt lengths are ~tokens
         print("baseline (recompute, then vLLM's prefix cache)", flush=True)
         base = run(py, model, work, "baseline", prompts=[p for p in prompts for _ in (0, 1)], **common)
         rows: dict[int, dict[str, float]] = {}

@@ -7,7 +7,8 @@
 The model is random-weight (tests/engine/tiny_model.py; nothing downloaded). Engine processes, each fresh:
 one without a connector (each prompt twice: the first recomputes, the second hits vLLM's prefix cache), then per
 gateway backend one that stores the prompts and one that loads them. TTFT is the wall time of a generate call
-with ``max_tokens=1``, so it includes the prefill (or the load) and one sampled token.
+with ``max_tokens=1``, so it includes the prefill (or the load) and one sampled token; every process first
+generates a short unrelated prompt, so no column pays a process's one-off first-forward costs.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def run(py: str, model: Path, work: Path, name: str, **spec: Any) -> list[dict[s
 
 
 def prompt_of(tokens: int, seed: int) -> str:
-    return words(int(tokens / 1.95), seed=seed)  # the tiny BPE gives ~1.95 tokens per word
+    return " ".join(words(int(tokens / 1.95), seed=seed))  # the tiny BPE gives ~1.95 tokens per word
 
 
 def main() -> None:
@@ -83,7 +84,8 @@ def main() -> None:
             check=True,
         )
         prompts = [prompt_of(n, seed=5000 + i) for i, n in enumerate(a.tokens)]
-        common = {"dtype": a.dtype, "max_model_len": int(max(a.tokens) * 1.25) + 256}  # prompt lengths are ~tokens
+        max_len = int(max(a.tokens) * 1.25) + 256  # prompt lengths are about the requested tokens
+        common = {"warmup": True, "dtype": a.dtype, "max_model_len": max_len}
         print("baseline (recompute, then vLLM's prefix cache)", flush=True)
         base = run(py, model, work, "baseline", prompts=[p for p in prompts for _ in (0, 1)], **common)
         rows: dict[int, dict[str, float]] = {}

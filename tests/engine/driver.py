@@ -3,7 +3,8 @@
     python driver.py SPEC.json OUT.json
 
 SPEC: ``model`` (dir), ``dtype``, ``prompts`` (texts, generated in order), ``max_tokens``, ``url`` (the gateway;
-absent: no connector), ``extra`` (more ``kv_connector_extra_config``), ``tp`` (tensor-parallel size), ``block_size``.
+absent: no connector), ``extra`` (more ``kv_connector_extra_config``), ``tp`` (tensor-parallel size), ``block_size``,
+``wait_blocks`` (after prompt i, wait until the gateway holds that many blocks), ``warmup`` (a short prompt first).
 OUT: per prompt the prompt and output token ids, the sampled tokens' logprobs, the wall time of its generate call
 and the ``vllm:external_prefix_cache_hits`` / ``vllm:prefix_cache_hits`` counters it added.
 """
@@ -62,6 +63,8 @@ def main() -> None:
     )
     startup_s = time.monotonic() - t0
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), logprobs=0, ignore_eos=True)
+    if spec.get("warmup"):  # a short unrelated prompt first: the first forward of a process pays one-off costs
+        llm.generate(["warm up " * 8], SamplingParams(max_tokens=1), use_tqdm=False)
     results = []
     waits = spec.get("wait_blocks") or []
     for i, prompt in enumerate(spec["prompts"]):

@@ -1,5 +1,17 @@
-# kvgate gateway image: the app from this checkout on Python 3.11, run as an unprivileged user.
+# kvgate gateway image: the wheel built from this checkout, installed like any user installs it, run as an
+# unprivileged user from its data directory (no source tree in the image).
 # Build: docker build -t kvgate .      Run: see docker-compose.yml and docs/scale.md.
+FROM python:3.11-slim-bookworm AS build
+
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /src
+COPY pyproject.toml setup.py README.md alembic.ini ./
+COPY alembic ./alembic
+COPY connector ./connector
+COPY app ./app
+# kvgate's wheel and every dependency's, so the runtime stage installs offline and carries no build leftovers
+RUN pip wheel --wheel-dir /wheels .
+
 FROM python:3.11-slim-bookworm
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -10,23 +22,15 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     KVGATE_PORT=8750 \
     KVGATE_DATA_DIR=/var/lib/kvgate
 
-WORKDIR /app
-
-# Dependencies first (a layer that survives source edits), then the source. alembic/ and alembic.ini stay
-# beside app/: the gateway runs `alembic upgrade head` from them at start-up.
-COPY pyproject.toml README.md ./
-RUN mkdir -p app connector && touch app/__init__.py connector/__init__.py \
-    && pip install . && pip uninstall -y kvgate && rm -rf app connector build *.egg-info
-COPY alembic.ini ./
-COPY alembic ./alembic
-COPY connector ./connector
-COPY app ./app
+RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
+    pip install --no-index --find-links /wheels kvgate
 
 RUN useradd --system --uid 10001 --home-dir /var/lib/kvgate --create-home kvgate
 USER kvgate
+WORKDIR /var/lib/kvgate
 
 EXPOSE 8750
 HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen(f\"http://127.0.0.1:{os.environ.get('KVGATE_PORT', '8750')}/readyz\", timeout=2)"]
 
-CMD ["python", "-m", "app", "serve"]
+CMD ["kvgate", "serve"]

@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 from logging.config import fileConfig
 
+from alembic.util import CommandError
 from sqlalchemy import Connection, pool, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from alembic import context
 from app.config import Settings
 from app.index.models import Base
+from app.settings_help import error_lines, is_settings_error
 
 config = context.config
 if config.config_file_name is not None and not config.attributes.get("quiet"):
@@ -22,7 +24,17 @@ MIGRATION_LOCK = 0x6B76_6761_7465  # "kvgate": PostgreSQL advisory lock key seri
 
 def _url() -> str:
     url = config.attributes.get("url")
-    return str(url) if url else Settings().resolved_db_url
+    if url:
+        return str(url)
+    try:
+        settings = Settings()
+    except Exception as exc:
+        if not is_settings_error(exc):
+            raise
+        raise CommandError("; ".join(error_lines(exc))) from None  # type: ignore[arg-type]  # alembic: "FAILED: ..."
+    if settings.db_url is None:
+        settings.data_dir.mkdir(parents=True, exist_ok=True)  # the SQLite index lives there, as under kvgate serve
+    return settings.resolved_db_url
 
 
 def _run(connection: Connection) -> None:

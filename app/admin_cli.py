@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
+import json
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -20,7 +22,10 @@ Token = Annotated[
     str | None, typer.Option("--token", envvar="KVGATE_TOKEN", help="admin bearer token [env KVGATE_TOKEN]")
 ]
 
+Json = Annotated[bool, typer.Option("--json", help="print JSON (the API's answer) instead of a table")]
+
 console = Console()
+err_console = Console(stderr=True)  # errors and progress bars: stdout stays a clean table or JSON
 
 
 def _human(n: int | float | None) -> str:
@@ -48,23 +53,35 @@ def _call(method: str, url: str, path: str, token: str | None, tls: ClientTLS | 
     try:
         resp = httpx.request(method, f"{url.rstrip('/')}{path}", headers=headers, timeout=60.0, verify=verify)
     except httpx.HTTPError as exc:
-        console.print(f"[red]cannot reach {url}: {exc}[/red]")
+        err_console.print(f"[red]cannot reach {url}: {exc}[/red]")
         raise typer.Exit(2) from exc
     if resp.status_code >= 400:
         try:
             message = resp.json()["error"]["message"]
         except (ValueError, KeyError, TypeError):
             message = resp.text[:200]
-        console.print(f"[red]{resp.status_code}: {message}[/red]")
+        err_console.print(f"[red]{resp.status_code}: {message}[/red]")
         raise typer.Exit(1)
     return resp.json()
 
 
+def _print_json(data: Any) -> None:
+    typer.echo(json.dumps(data, indent=2))
+
+
 def ls(
-    url: Url = DEFAULT_URL, token: Token = None, cacert: CaCert = None, cert: ClientCert = None, key: ClientKey = None
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+    as_json: Json = False,
+    cacert: CaCert = None,
+    cert: ClientCert = None,
+    key: ClientKey = None,
 ) -> None:
     """Namespaces on a running gateway: blocks, bytes, hits, never-read share."""
     data = _call("GET", url, "/v1/namespaces", token, ClientTLS(cacert=cacert, cert=cert, key=key))
+    if as_json:
+        _print_json(data)
+        return
     table = Table(title=f"kvgate namespaces at {url}")
     for col in ("namespace", "blocks", "bytes", "hits", "never read", "last write", "config"):
         table.add_column(col, justify="left" if col == "namespace" else "right")
@@ -84,10 +101,18 @@ def ls(
 
 
 def stats(
-    url: Url = DEFAULT_URL, token: Token = None, cacert: CaCert = None, cert: ClientCert = None, key: ClientKey = None
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+    as_json: Json = False,
+    cacert: CaCert = None,
+    cert: ClientCert = None,
+    key: ClientKey = None,
 ) -> None:
     """Usage, capacity, hits, misses and evictions of a running gateway."""
     s = _call("GET", url, "/v1/stats", token, ClientTLS(cacert=cacert, cert=cert, key=key))
+    if as_json:
+        _print_json(s)
+        return
     table = Table(title=f"kvgate stats at {url}", show_header=False)
     table.add_column("what")
     table.add_column("value", justify="right")
@@ -173,11 +198,15 @@ def gc(
     stale_parts_s: Annotated[
         float, typer.Option(help="drop incomplete multi-part uploads whose oldest part is older than this")
     ] = 3600.0,
+    as_json: Json = False,
 ) -> None:
     """Reconcile the index with the store directly (no gateway needed): drop dead rows, adopt orphan data."""
     columns = (TextColumn("{task.description:>7}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console) as progress:
+    with Progress(*columns, console=err_console) as progress:
         report = asyncio.run(_gc(data_dir, db_url, temp_older_than_s, stale_parts_s, progress))
+    if as_json:
+        _print_json(dataclasses.asdict(report))
+        return
     table = Table(title="kvgate gc", show_header=False)
     table.add_column("what")
     table.add_column("value", justify="right")

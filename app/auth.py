@@ -47,7 +47,9 @@ class Role(IntEnum):
     admin = 3
 
 
-OPEN_PATHS = frozenset({"/healthz", "/readyz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+OPEN_PATHS = frozenset(
+    {"/healthz", "/readyz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/docs/assets/{asset}", "/redoc"}
+)
 
 RULES: dict[tuple[str, str], Role] = {
     ("GET", "/v1/blocks/{path}"): Role.read,

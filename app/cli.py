@@ -11,8 +11,15 @@ from app.admin_cli import register as register_admin_commands
 from app.bench import bench_command
 from app.events_cli import events_command
 from app.importer import import_command
+from app.settings_help import error_lines, help_epilog, is_settings_error, markdown_table
 
-cli = typer.Typer(help="kvgate: a KV-cache block gateway for LLM inference.", no_args_is_help=True)
+EXIT_CODES = (
+    "Exit codes: 0 done; 1 the command ran and something failed (an HTTP error from the gateway, blocks that "
+    "failed to import, bench errors or checksum failures, a purge not confirmed); 2 it could not run (a bad flag "
+    "or setting, the gateway unreachable, a missing directory)."
+)
+
+cli = typer.Typer(help="kvgate: a KV-cache block gateway for LLM inference.", no_args_is_help=True, epilog=EXIT_CODES)
 
 
 @cli.callback()
@@ -20,7 +27,7 @@ def _root() -> None:
     """kvgate: a KV-cache block gateway for LLM inference."""
 
 
-@cli.command()
+@cli.command(epilog=help_epilog())
 def serve(
     host: Annotated[str | None, typer.Option(help="bind address [env KVGATE_HOST; default 127.0.0.1]")] = None,
     port: Annotated[int | None, typer.Option(help="port [env KVGATE_PORT; default 8750]")] = None,
@@ -136,6 +143,47 @@ def token_new(
     typer.echo(json.dumps(spec.model_dump(exclude_none=True)))
 
 
+@cli.command("settings")
+def settings_command(
+    markdown: Annotated[bool, typer.Option("--markdown", help="the README's table")] = False,
+) -> None:
+    """List every setting: environment variable, default, meaning."""
+    if markdown:
+        typer.echo(markdown_table())
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    from app.settings_help import rows
+
+    table = Table("variable", "default", "meaning")
+    for row in rows():
+        table.add_row(row.variable, row.default, row.meaning)
+    Console().print(table)
+
+
+@cli.command()
+def migrate(
+    alembic_ini: Annotated[
+        bool, typer.Option("--alembic-ini", help="only print the path of the alembic.ini shipped with kvgate")
+    ] = False,
+) -> None:
+    """Bring the index to the newest schema (what `kvgate serve` does at start-up), then exit."""
+    import asyncio
+
+    from app.config import Settings
+    from app.index.migrate import alembic_ini as ini_path
+    from app.index.migrate import upgrade_head
+
+    if alembic_ini:
+        typer.echo(str(ini_path()))
+        return
+    settings = Settings()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    asyncio.run(upgrade_head(settings.resolved_db_url))
+    typer.echo(f"index at head: {settings.resolved_db_url.split('://')[0]}")
+
+
 cli.command(name="bench")(bench_command)
 cli.command(name="import")(import_command)
 cli.command(name="events")(events_command)
@@ -145,4 +193,14 @@ register_admin_commands(cli)
 
 
 def main() -> None:
-    cli()
+    """The console script: a bad setting is one line per problem on stderr and exit code 2, never a traceback."""
+    import sys
+
+    try:
+        cli()
+    except Exception as exc:
+        if not is_settings_error(exc):
+            raise
+        for line in error_lines(exc):  # type: ignore[arg-type]
+            print(f"kvgate: {line}", file=sys.stderr)
+        sys.exit(2)

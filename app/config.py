@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MiB = 1024 * 1024
@@ -14,25 +14,31 @@ MiB = 1024 * 1024
 class FsBackend(BaseModel):
     """Blocks as files under a data root (the embedded default)."""
 
-    kind: Literal["fs"] = "fs"
-    root: Path | None = Field(default=None, description="default: <data_dir>/blocks")
-    fsync: bool = True
+    model_config = ConfigDict(extra="forbid")  # KVGATE_BACKEND__BUCKET without __KIND=s3 is a mistake, not a no-op
+
+    kind: Literal["fs"] = Field(default="fs", description="`fs`, `s3` or `memory`")
+    root: Path | None = Field(default=None, description="where block files go; none: <data_dir>/blocks")
+    fsync: bool = Field(default=True, description="fsync each block file and its directory before the PUT returns")
 
 
 class S3Backend(BaseModel):
     """Blocks as objects in an S3-compatible bucket (MinIO, Ceph RGW, AWS S3)."""
 
+    model_config = ConfigDict(extra="forbid")
+
     kind: Literal["s3"] = "s3"
-    bucket: str
-    prefix: str = ""
-    endpoint_url: str | None = None
-    region: str = "us-east-1"
-    access_key_id: str | None = None
-    secret_access_key: SecretStr | None = None
-    addressing_style: Literal["auto", "path", "virtual"] = "path"
-    max_pool_connections: int = 64
-    connect_timeout_s: float = 5.0
-    read_timeout_s: float = 30.0
+    bucket: str = Field(description="bucket name")
+    prefix: str = Field(default="", description="key prefix inside the bucket")
+    endpoint_url: str | None = Field(default=None, description="e.g. http://minio:9000; none: AWS S3")
+    region: str = Field(default="us-east-1", description="region (signing, bucket creation)")
+    access_key_id: str | None = Field(default=None, description="none: the usual AWS credential chain")
+    secret_access_key: SecretStr | None = Field(default=None, description="none: the usual AWS credential chain")
+    addressing_style: Literal["auto", "path", "virtual"] = Field(
+        default="path", description="`path` for MinIO/Ceph; `virtual` or `auto` for AWS"
+    )
+    max_pool_connections: int = Field(default=64, gt=0, description="HTTP connections to the store")
+    connect_timeout_s: float = Field(default=5.0, gt=0, description="connect timeout per store call")
+    read_timeout_s: float = Field(default=30.0, gt=0, description="read timeout per store call")
     max_attempts: int = Field(default=3, ge=1, description="tries per S3 call (botocore 'standard' retries)")
     create_bucket: bool = Field(default=True, description="create the bucket at start-up if it is missing")
     multipart_threshold_bytes: int = Field(
@@ -43,6 +49,8 @@ class S3Backend(BaseModel):
 
 class MemoryBackend(BaseModel):
     """Blocks in process memory (tests and throwaway runs)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     kind: Literal["memory"] = "memory"
 
@@ -83,19 +91,27 @@ class TokenSpec(BaseModel):
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVGATE_", env_nested_delimiter="__", extra="ignore")
 
-    host: str = "127.0.0.1"
-    port: int = 8750
-    data_dir: Path = Path("kvgate-data")
-    db_url: str | None = Field(default=None, description="default: sqlite+aiosqlite:///<data_dir>/index.db")
-    backend: Backend = Field(default_factory=FsBackend)
+    host: str = Field(default="127.0.0.1", description="bind address (any other than loopback needs tokens)")
+    port: int = Field(default=8750, ge=0, le=65535, description="port")
+    data_dir: Path = Field(default=Path("kvgate-data"), description="data root: blocks/ and the SQLite index.db")
+    db_url: str | None = Field(
+        default=None,
+        description="index URL, sqlite+aiosqlite:///path or postgresql+asyncpg://user:pw@host/db; "
+        "none: SQLite in the data dir",
+    )
+    backend: Backend = Field(default_factory=FsBackend, description="where blocks go")
 
     max_block_bytes: int = Field(default=256 * MiB, gt=0, description="largest accepted PUT body (413 above)")
     io_chunk_bytes: int = Field(default=4 * MiB, gt=0, description="read/write chunk for block bodies")
     meta_cache_entries: int = Field(default=65536, ge=0, description="block metadata cached in memory")
     meta_cache_ttl_s: float | None = Field(
-        default=None, description="seconds a cached entry is trusted; None: forever (one gateway owns the index)"
+        default=None,
+        description="seconds a cached HEAD answer is trusted; none: forever with SQLite (one gateway owns the index), "
+        "0 with PostgreSQL (replicas share it)",
     )
-    sqlite_synchronous: Literal["OFF", "NORMAL", "FULL"] = "FULL"
+    sqlite_synchronous: Literal["OFF", "NORMAL", "FULL"] = Field(
+        default="FULL", description="SQLite durability (FULL: a row survives power loss once the PUT returned)"
+    )
     verify_range_max_bytes: int = Field(
         default=64 * MiB,
         ge=0,
@@ -103,21 +119,34 @@ class Settings(BaseSettings):
         "the range's sha256 (X-KVGate-Range-SHA256); 0: never",
     )
     max_lookup_keys: int = Field(default=4096, gt=0, description="most keys in one POST /v1/lookup")
-    access_flush_interval_s: float = Field(default=1.0, gt=0)
+    access_flush_interval_s: float = Field(default=1.0, gt=0, description="seconds between access-time writes")
 
-    max_bytes: int | None = Field(default=None, gt=0, description="capacity bound on stored block bytes; None: none")
+    max_bytes: int | None = Field(
+        default=None, gt=0, description="capacity bound on stored block bytes; none: unbounded"
+    )
     high_watermark: float = Field(default=0.95, gt=0, le=1, description="evict when usage passes this share")
     low_watermark: float = Field(default=0.85, gt=0, le=1, description="evict down to this share")
-    namespace_quota_bytes: int | None = Field(default=None, gt=0, description="bound per namespace; None: none")
+    namespace_quota_bytes: int | None = Field(
+        default=None, gt=0, description="bound on a namespace's bytes; none: unbounded"
+    )
     eviction_interval_s: float = Field(default=5.0, gt=0, description="background eviction check period")
     eviction_batch: int = Field(default=256, gt=0, description="LRU candidates fetched per eviction round")
     usage_resync_interval_s: float = Field(default=60.0, gt=0, description="re-read usage from the index")
-    reconcile_on_start: bool = Field(default=True, description="reconcile index and store at start-up")
+    reconcile_on_start: bool = Field(
+        default=True,
+        description="reconcile index and store at start-up (several replicas: false, and run `kvgate gc` "
+        "on a schedule)",
+    )
     reconcile_concurrency: int = Field(default=8, gt=0, description="digests computed at once by reconcile")
     metrics_enabled: bool = Field(default=True, description="serve /metrics and count requests")
-    log_level: str = "info"
+    log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
+        default="info", description="uvicorn's log level"
+    )
 
-    tokens: list[TokenSpec] = Field(default_factory=list, description="bearer tokens (JSON); none: auth off")
+    tokens: list[TokenSpec] = Field(
+        default_factory=list,
+        description="bearer tokens, a JSON list of {name, sha256, role, namespaces}; none: auth off (loopback only)",
+    )
     tokens_file: Path | None = Field(default=None, description="JSON or TOML list of tokens, added to `tokens`")
     metrics_public: bool = Field(default=False, description="serve /metrics without a token")
     max_uploads_in_flight: int = Field(default=256, gt=0, description="PUTs in flight; past it 429 at once")
@@ -138,7 +167,7 @@ class Settings(BaseSettings):
     tls_client_auth: Literal["required", "optional"] = Field(
         default="required", description="with tls_client_ca: must every client present a certificate"
     )
-    tls_min_version: Literal["1.2", "1.3"] = "1.2"
+    tls_min_version: Literal["1.2", "1.3"] = Field(default="1.2", description="the oldest TLS version accepted")
     tls_reload_interval_s: float = Field(
         default=5.0, ge=0, description="re-read the certificate files when they change (and on SIGHUP); 0: SIGHUP only"
     )
@@ -163,6 +192,19 @@ class Settings(BaseSettings):
     @property
     def tls_enabled(self) -> bool:
         return self.tls_certfile is not None
+
+    @field_validator("backend", mode="before")
+    @classmethod
+    def _backend_kind_defaults_to_fs(cls, value: object) -> object:
+        """``KVGATE_BACKEND__FSYNC=false`` alone means the default backend: the kind need not be spelled out."""
+        if isinstance(value, dict) and "kind" not in value:
+            return {"kind": "fs", **value}
+        return value
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _log_level_lower(cls, value: object) -> object:
+        return value.lower() if isinstance(value, str) else value
 
     @property
     def resolved_db_url(self) -> str:

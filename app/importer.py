@@ -15,7 +15,7 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
@@ -81,7 +81,17 @@ async def _file_chunks(path: Path) -> AsyncIterator[bytes]:
 
 
 class Importer:
-    def __init__(self, *, service: BlockService, source: Path, in_place: bool, concurrency: int) -> None:
+    def __init__(
+        self,
+        *,
+        service: BlockService,
+        source: Path,
+        in_place: bool,
+        concurrency: int,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.progress = progress  # progress(done, total) after each block file
+        self._total = self._done = 0
         self.service = service
         self.source = source
         self.in_place = in_place
@@ -107,6 +117,7 @@ class Importer:
                 continue
             blocks.append((rel, size))
         work: asyncio.Queue[tuple[str, int]] = asyncio.Queue()
+        self._total = len(blocks)
         for item in blocks:
             work.put_nowait(item)
         workers = [asyncio.create_task(self._worker(work)) for _ in range(max(1, self.concurrency))]
@@ -142,6 +153,9 @@ class Importer:
             except (OSError, KVGateError) as exc:
                 self.report.failed += 1
                 self.report.note("failed", f"{rel}: {exc}")
+            self._done += 1
+            if self.progress is not None:
+                self.progress(self._done, self._total)
 
     async def _block(self, rel: str, size: int) -> None:
         key = parse_block_key(rel)
@@ -157,7 +171,9 @@ class Importer:
         self.report.bytes += size
 
 
-async def import_dir(*, source: Path, settings: Settings, concurrency: int = 8) -> ImportReport:
+async def import_dir(
+    *, source: Path, settings: Settings, concurrency: int = 8, progress: Callable[[int, int], None] | None = None
+) -> ImportReport:
     """Adopt ``source`` into the gateway configured by ``settings`` (its store and index)."""
     source = await anyio.to_thread.run_sync(source.resolve)
     if not await anyio.to_thread.run_sync(source.is_dir):
@@ -174,7 +190,10 @@ async def import_dir(*, source: Path, settings: Settings, concurrency: int = 8) 
     try:
         service = BlockService(store=store, index=index, cache=MetaCache(entries=0, ttl_s=None))
         in_place = isinstance(settings.backend, FsBackend) and source == getattr(store, "root", None)
-        report = await Importer(service=service, source=source, in_place=in_place, concurrency=concurrency).run()
+        importer = Importer(
+            service=service, source=source, in_place=in_place, concurrency=concurrency, progress=progress
+        )
+        report = await importer.run()
     finally:
         await index.close()
         await store.close()
@@ -191,8 +210,15 @@ def import_command(
     """Adopt a vLLM fs-tier directory: in place when it is the data root (--data-dir/blocks), else copied in."""
     overrides: dict[str, Any] = {"data_dir": data_dir, "db_url": db_url}
     settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("import"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     try:
-        report = asyncio.run(import_dir(source=source, settings=settings, concurrency=concurrency))
+        with Progress(*columns, console=Console(stderr=True)) as bar:
+            task = bar.add_task("import", total=None)
+            tick = lambda done, total: bar.update(task, completed=done, total=total)  # noqa: E731
+            report = asyncio.run(import_dir(source=source, settings=settings, concurrency=concurrency, progress=tick))
     except (FileNotFoundError, KVGateError) as exc:
         typer.echo(f"kvgate import: {exc}", err=True)
         raise typer.Exit(2) from exc

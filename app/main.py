@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI
 
 from app import __version__, auth, limits, metrics
-from app.api import admin, blocks, errors, events, health, lookup, namespaces
+from app.api import admin, blocks, docs, errors, events, health, lookup, namespaces
 from app.config import Settings
 from app.events import EventBus
 from app.eviction import Capacity
@@ -82,9 +82,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await index.close()
             await store.close()
 
-    app = FastAPI(title="kvgate", version=__version__, description=DESCRIPTION, lifespan=lifespan)
+    app = FastAPI(
+        title="kvgate",
+        version=__version__,
+        description=DESCRIPTION,
+        lifespan=lifespan,
+        docs_url=None,  # served by app.api.docs from packaged assets, not a CDN
+        redoc_url=None,
+    )
     app.state.settings = cfg
     errors.install(app)
+    docs.install(app)
     for module in (blocks, lookup, namespaces, admin, events, health):
         app.include_router(module.router)
     limits.install(app, cfg)  # inside auth: an unauthenticated request takes no upload slot

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -35,6 +36,13 @@ class PurgeReport:
     blocks: int
     bytes: int
     config: bool
+
+
+def _version_of(record: BlockRecord) -> Candidate:
+    """The version a row names, as removal's ``expect`` (removed only if the row still names it)."""
+    return Candidate(
+        key=record.key, namespace=record.namespace, size=record.size, created_at=record.created_at, stamp=record.stamp
+    )
 
 
 class Removal:
@@ -183,24 +191,38 @@ class Removal:
         return BlockMeta(key=key.path, size=stored.size, digest=stored.digest, stamp=stored.stamp)
 
     async def repair(self, key: BlockKey) -> None:
-        """Make the row of ``key`` describe what is stored: on a filesystem re-read the file (a crash between the
-        row and the rename leaves the file of the other version); on S3 drop a row whose version object is gone."""
+        """A reader found no stored version its row names, with no change of the key in flight. On a filesystem
+        the file is re-read: the row's bytes under another stamp (copied, touched) keep the row with the new stamp;
+        other bytes are corruption or a change behind the gateway's back, and row and file go (a miss, never data
+        the row does not vouch for). On S3 a row whose version object is gone is dropped."""
         async with self._changing(key.path):
-            if not self._versioned:
-                await self._adopt_locked(key)
-                return
             record = await self.index.get(key.path)
             if record is None:
+                return
+            if not self._versioned:
+                await self._verify_locked(record)
                 return
             try:
                 reader = await self.store.open(key.path, stamp=record.stamp)
             except BlockNotFound:
-                if await self.index.remove_block(key.path, stamp=record.stamp, any_version=False) is not None:
-                    self._usage(record.namespace, -1, -record.size)
-                    self.events.removed(record)
+                if await self._remove_locked(key.path, expect=_version_of(record)) is not None:
                     log.warning("repair: version object gone key=%s stamp=%s, row dropped", key.path, record.stamp)
                 return
             await reader.aclose()
+
+    async def _verify_locked(self, record: BlockRecord) -> None:
+        expect = _version_of(record)
+        try:
+            stored = await self.store.digest(record.key)
+        except BlockNotFound:
+            if await self._remove_locked(record.key, expect=expect) is not None:
+                log.warning("repair: no data for key=%s, row dropped", record.key)
+            return
+        if (stored.size, stored.digest) == (record.size, record.digest):
+            await self.index.adopt_many([dataclasses.replace(record, stamp=stored.stamp)])
+            return
+        log.error("corrupt block key=%s: stored sha256 %s, row %s; removed", record.key, stored.digest, record.digest)
+        await self._remove_locked(record.key, expect=expect)
 
     async def adopt_records(self, records: Iterable[BlockRecord]) -> None:
         """Record versions reconcile found and hashed (before the gateway serves, or from ``kvgate gc``)."""

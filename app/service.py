@@ -131,7 +131,9 @@ class BlockService(Removal):
 
     @contextlib.asynccontextmanager
     async def _changing(self, key: str) -> AsyncIterator[None]:
-        """Hold ``key`` for one change; the cache epoch moves first, so no reader caches what it read before."""
+        """Hold ``key`` for one change. The cache epoch moves when it starts and again when it ends, so a reader
+        whose index read overlapped the change (it may have read the row before the change committed) never caches
+        what it read; the change itself caches the version it made."""
         async with self.locks(key):
             self.changing += 1
             self.cache.epoch += 1
@@ -139,6 +141,7 @@ class BlockService(Removal):
             try:
                 yield
             finally:
+                self.cache.epoch += 1
                 self.changing -= 1
 
     async def _row(self, key: str, *, fresh: bool = False) -> BlockMeta | None:
@@ -217,7 +220,10 @@ class BlockService(Removal):
                 return await self._commit_locked(key, staged, create_only=create_only)
         self.cache.epoch += 1
         self.cache.drop(key.path)
-        return await self._commit_locked(key, staged, create_only=create_only)
+        try:
+            return await self._commit_locked(key, staged, create_only=create_only)
+        finally:
+            self.cache.epoch += 1
 
     async def _commit_locked(self, key: BlockKey, staged: Staged, *, create_only: bool) -> PutResult:
         path, now = key.path, time.time()

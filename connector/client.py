@@ -291,7 +291,17 @@ class BlockClient:
         try:
             async with self._session.get("/healthz") as resp:
                 await resp.read()
-        except aiohttp.ServerDisconnectedError as exc:
+        except aiohttp.ClientConnectorError as exc:  # no connection at all (or a handshake that failed): below
+            tls = tls_failure(exc)
+            if tls is not None:
+                raise GatewayTLSError(f"TLS to the gateway {self.config.base_url} failed: {tls}") from exc
+            log.warning("gateway %s not reachable at start-up (TLS not checked yet): %s", self.config.base_url, exc)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            # connected, then closed or reset with no answer: on a busy gateway the close of a refused handshake
+            # can arrive as a reset rather than a clean disconnect
+            tls = tls_failure(exc)
+            if tls is not None:
+                raise GatewayTLSError(f"TLS to the gateway {self.config.base_url} failed: {tls}") from exc
             raise GatewayTLSError(
                 f"TLS to the gateway {self.config.base_url} failed: the gateway closed the connection after the "
                 "handshake without answering: it refused this client's certificate (none configured, expired, or "

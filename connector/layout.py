@@ -16,6 +16,11 @@ heads only: ``local_geometry(geometry, tp_size=...)`` describes that object.
 
 ``KVLayout`` names the dimension order of vLLM's paged per-layer KV tensors, and the permutations between them
 and the canonical order that ``connector.transfer`` applies on the device.
+
+``BackendLayout`` says how an attention backend really keeps K and V in vLLM's pages (``backend_layout`` derives it
+from vLLM's declarations, never from tensor shapes), whether kvgate certifies it for the canonical format, and
+``layer_views`` gives ``connector.transfer`` the views it copies from. This module never imports torch; the views
+are built with the tensors' own methods.
 """
 
 from __future__ import annotations
@@ -23,16 +28,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from connector.protocol import CANONICAL_FORMAT
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = [
     "CANONICAL_FORMAT",
+    "BackendLayout",
     "BlockGeometry",
     "KVLayout",
+    "LayoutError",
+    "PageFormat",
+    "backend_layout",
     "content_range",
     "head_byte_range",
     "heads_of",
+    "layer_views",
     "local_geometry",
     "paged_geometry",
     "range_header",
@@ -170,3 +184,130 @@ def paged_geometry(*, shape: Sequence[int], layout: KVLayout, num_layers: int, i
         block_size=shape[layout.token_dim],
         itemsize=itemsize,
     )
+
+
+# --- per-backend page layouts ---------------------------------------------------------------------------------
+#
+# vLLM (0.32 CPU build and 0.33) hands a connector one view per layer of LOGICAL shape [block, head, token, content]
+# (``vllm.v1.kv_cache_interface.create_kv_cache_views``); the KV-cache layout setting (``KVCacheLayout``, e.g. LBNHC
+# for NHD, LBHNC for HND) only changes the strides, and a backend may declare a different page (``num_head_slots``,
+# ``state_content_bytes``) through its KV-cache spec. What the content axis holds is up to the backend's kernels:
+#
+# - FlashAttention, FlashInfer, Triton, FlexAttention (and the other dense-spec GPU backends) split content as
+#   ``K = C[:head_size]``, ``V = C[head_size:]`` (``kv_cache.transpose(1, 2).split(head_size, dim=-1)`` in their
+#   ``forward``): canonical after a permutation, in every stride order.
+# - CPU_ATTN views each (block, head) page as ``(2 * block_size, head_size)`` and chunks it in two
+#   (``kv_cache.view(num_blocks, num_kv_heads, block_size * 2, -1).chunk(2, dim=2)``): the first half is K, the
+#   second V. Its kernels then write K column-major, ``[head_dim][token]``, and V row-major, ``[token][head_dim]``
+#   (csrc/cpu/cpu_attn_vec.hpp, ISA "vec"); the AMX kernels (bf16 on AMX machines) pack both in tile order.
+#
+# A page kvgate has not certified against a reference (tests/engine, tests/vllm) is stored as it is, per rank,
+# under a namespace whose fields carry the layout id, so it can never meet another layout's bytes.
+
+
+class LayoutError(ValueError):
+    """A KV tensor that does not match what vLLM declared for it: nothing is moved."""
+
+
+class PageFormat(StrEnum):
+    KV_CONTENT = "kv-content"
+    """Dense page, ``K = C[:head_size]`` and ``V = C[head_size:]`` for each (block, head, token): certified."""
+    CPU_KT = "cpu-kt"
+    """CPU_ATTN "vec": per (block, head) a K page ``[head_dim][token]`` then a V page ``[token][head_dim]``."""
+    RAW = "raw"
+    """Not certified: the page's bytes in their own order (content cut in two halves), per rank and layout."""
+
+
+CERTIFIED_GPU_BACKENDS = frozenset({"FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION"})
+"""vLLM 0.33 GPU backends whose dense pages tests/vllm/test_backend_layouts.py builds as vLLM declares them."""
+CERTIFIED_CPU_ISAS = frozenset({"vec"})
+"""CPU_ATTN kernels whose pages tests/engine compared with HF transformers' K/V on a real engine."""
+
+
+@dataclass(frozen=True, slots=True)
+class BackendLayout:
+    """How one KV-cache group's pages hold K and V, and under which id uncertified bytes are kept apart."""
+
+    backend: str
+    """vLLM's attention backend name (``get_name()``), e.g. ``FLASH_ATTN``, ``CPU_ATTN``."""
+    page: PageFormat
+    kv_cache_layout: str
+    """vLLM's resolved ``KVCacheLayout`` name (stride order), e.g. ``LBNHC``."""
+    detail: str = ""
+    """What else picks the kernels' page order: the CPU ISA, the KV-cache dtype, why it is not certified."""
+
+    @property
+    def certified(self) -> bool:
+        return self.page is not PageFormat.RAW
+
+    @property
+    def layout_id(self) -> str:
+        """The id an uncertified layout puts in its namespace fields (``kv_layout``)."""
+        parts = [self.backend, self.kv_cache_layout, self.detail]
+        return "/".join(p for p in parts if p)
+
+
+def backend_layout(
+    *,
+    backend: str,
+    kv_cache_layout: str,
+    head_size: int,
+    head_size_v: int,
+    kv_cache_dtype: str = "auto",
+    dense_page: bool = True,
+    cpu_isa: str | None = None,
+) -> BackendLayout:
+    """The page format of a backend, from vLLM's declarations: certified formats, else ``RAW`` with an id.
+
+    ``dense_page`` is False when the backend's KV-cache spec declares its own page (``num_head_slots`` or
+    ``state_content_bytes`` set, padded content, quantization scales inside the page).
+    """
+    quantized = kv_cache_dtype not in ("auto", "float32", "float16", "bfloat16")
+
+    def raw(why: str) -> BackendLayout:
+        detail = "/".join(x for x in (cpu_isa or "", kv_cache_dtype, why) if x)
+        return BackendLayout(backend=backend, page=PageFormat.RAW, kv_cache_layout=kv_cache_layout, detail=detail)
+
+    if head_size_v != head_size:
+        return raw(f"k{head_size}v{head_size_v}")
+    if quantized:
+        return raw("quantized")
+    if not dense_page:
+        return raw("packed")
+    if backend == "CPU_ATTN":
+        if cpu_isa in CERTIFIED_CPU_ISAS:
+            page = PageFormat.CPU_KT
+            return BackendLayout(backend=backend, page=page, kv_cache_layout=kv_cache_layout, detail=cpu_isa)
+        return raw("")
+    if backend in CERTIFIED_GPU_BACKENDS:
+        return BackendLayout(backend=backend, page=PageFormat.KV_CONTENT, kv_cache_layout=kv_cache_layout)
+    return raw("")
+
+
+def layer_views(
+    kv: torch.Tensor, *, layout: BackendLayout, num_kv_heads: int, block_size: int, head_size: int
+) -> tuple[list[torch.Tensor], KVLayout]:
+    """The ``(2, blocks, heads, tokens, head_dim)`` views ``connector.transfer`` copies, for one layer's page tensor.
+
+    ``kv`` is the logical ``[block, head, token, content]`` view vLLM registers. Heads, tokens and sizes come
+    from vLLM's spec, not from the tensor's shape, so ``num_kv_heads == block_size`` is not ambiguous. A
+    ``CPU_KT`` layer gives two views (K's and V's, each with its tokens cut in two halves): read in order they
+    are the layer's ``[k|v][token][head_dim]``, so a transfer over all views writes the canonical bytes.
+    """
+    b = kv.shape[0] if kv.dim() == 4 else -1
+    want = (b, num_kv_heads, block_size, 2 * head_size)
+    if kv.dim() != 4 or tuple(kv.shape) != want:
+        raise LayoutError(f"KV tensor shape {tuple(kv.shape)}, vLLM declared [block, head, token, content] {want}")
+    if layout.page is PageFormat.KV_CONTENT or layout.page is PageFormat.RAW:
+        view = kv.view(b, num_kv_heads, block_size, 2, head_size).permute(3, 0, 1, 2, 4)
+        return [view], KVLayout.HND
+    if kv.stride(3) != 1 or kv.stride(2) != 2 * head_size:
+        raise LayoutError(f"CPU_ATTN page of strides {kv.stride()} is not contiguous per (block, head)")
+    if block_size % 2:
+        raise LayoutError(f"CPU_ATTN block size {block_size} is odd")
+    half, page = block_size // 2, block_size * head_size
+    sb, sh = kv.stride(0), kv.stride(1)
+    offset = kv.storage_offset()
+    k = kv.as_strided((2, b, num_kv_heads, half, head_size), (half, sb, sh, 1, block_size), offset)
+    v = kv.as_strided((2, b, num_kv_heads, half, head_size), (half * head_size, sb, sh, head_size, 1), offset + page)
+    return [k, v], KVLayout.HND

@@ -166,8 +166,15 @@ def run_fields(
     parallel_agnostic: bool = False,
     replicated_layout: bool = False,
     canonical_format: str | None = None,
+    block_bytes: int | None = None,
+    kv_layout: str | None = None,
 ) -> dict[str, Any]:
-    """The fields that name a run, as FileMapper hashes them (tp/pp/pcp/dcp forced to 1 when agnostic)."""
+    """The fields that name a run, as FileMapper hashes them (tp/pp/pcp/dcp forced to 1 when agnostic).
+
+    ``block_bytes`` (bytes of one whole canonical block) goes with ``canonical_format``, so the gateway can refuse
+    a PUT of another size; ``kv_layout`` is the id of a page layout kvgate does not certify (stored as it is).
+    Each is added only when given, so the fields of existing namespaces keep their digests.
+    """
     if parallel_agnostic:
         tp_size = pp_size = pcp_size = dcp_size = 1
     fields: dict[str, Any] = {
@@ -188,6 +195,10 @@ def run_fields(
         fields["replicated_layout"] = True
     if canonical_format is not None:
         fields["canonical_format"] = canonical_format
+        if block_bytes is not None:
+            fields["block_bytes"] = block_bytes
+    if kv_layout is not None:
+        fields["kv_layout"] = kv_layout
     return fields
 
 
@@ -241,9 +252,15 @@ def naming(
     blocks_per_file: int = 1,
     inference_engine: str = "vllm",
     canonical_format: str | None = CANONICAL_FORMAT,
+    block_bytes: int | None = None,
+    kv_layout: str | None = None,
 ) -> RunNaming:
-    """Name a run: agnostic runs use the canonical format, rank 0 and tp = 1; others keep their rank."""
-    agnostic = is_parallel_agnostic(
+    """Name a run: agnostic runs use the canonical format, rank 0 and tp = 1; others keep their rank.
+
+    ``kv_layout`` (an uncertified page layout's id) makes the run per-rank, named by that layout; ``block_bytes``
+    is the whole canonical block's size, recorded with the canonical format.
+    """
+    agnostic = kv_layout is None and is_parallel_agnostic(
         groups=groups,
         num_kv_heads=num_kv_heads,
         total_kv_heads=total_kv_heads,
@@ -265,6 +282,8 @@ def naming(
         inference_engine=inference_engine,
         parallel_agnostic=agnostic,
         canonical_format=canonical_format if agnostic else None,
+        block_bytes=block_bytes if agnostic else None,
+        kv_layout=kv_layout,
     )
     return RunNaming(
         namespace=namespace_for(fields), rank=0 if agnostic else rank, fields=fields, parallel_agnostic=agnostic

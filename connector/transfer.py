@@ -50,17 +50,20 @@ def _check_kv_caches(kv_caches: dict[str, torch.Tensor], layout: KVLayout) -> Bl
         raise ValueError("no KV caches")
     first = next(iter(kv_caches.values()))
     for name, t in kv_caches.items():
-        if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device or t.stride(-1) != 1:
-            raise ValueError(f"layer {name}: needs the shape, dtype, device of the others and a contiguous last dim")
+        if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+            raise ValueError(f"layer {name}: needs the shape, dtype and device of the others")
     return paged_geometry(shape=first.shape, layout=layout, num_layers=len(kv_caches), itemsize=first.element_size())
 
 
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """``t`` reinterpreted as the widest integer words its strides allow: bit copies, fewer elements per copy."""
-    for word in (torch.int64, torch.int32, torch.int16):
+def _words(layers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The layers reinterpreted as the widest integer words all their strides allow: bit copies, fewer elements.
+
+    A layer whose last dim is not contiguous (the CPU backend's K, ``connector.layout``) keeps its element size."""
+    for word in (torch.int64, torch.int32, torch.int16, torch.uint8):
         with contextlib.suppress(RuntimeError):
-            return t.view(torch.uint8).view(word)
-    return t.view(torch.uint8)
+            return [t.view(torch.uint8).view(word) for t in layers]
+    same_size = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return [t.view(same_size[t.element_size()]) for t in layers]
 
 
 class BlockTransfer:
@@ -85,7 +88,7 @@ class BlockTransfer:
         self.max_blocks_per_batch = max_blocks_per_batch
         first = next(iter(kv_caches.values()))
         self.device, self.num_blocks = first.device, first.shape[1]
-        self._layers = [_words(t) for t in kv_caches.values()]
+        self._layers = _words(list(kv_caches.values()))
         self._cuda = self.device.type == "cuda"
         if streams is None and self._cuda:
             streams = CudaStreams(self.device)

@@ -27,10 +27,12 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connector.client import BlockClient, ClientConfig
+from connector.layout import BackendLayout, layer_views
 from connector.pipeline import WorkerPipeline
 from connector.plan import KeyScheme, SchedulerPlanner, StepPlan
 from connector.protocol import KVGroup, RunNaming, naming
-from connector.transfer import BlockTransfer, KVLayout
+from connector.transfer import BlockTransfer
+from connector.vllm_layout import check_layers, resolve_layout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvgate.connector.vllm")
@@ -65,6 +68,15 @@ class RunShape:
     world_size: int
     block_size: int
     hash_block_size: int
+    head_size: int
+    itemsize: int
+    layout: BackendLayout
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one whole canonical block: all KV heads of all layers of the (single) group."""
+        layers = len(self.groups[0].layer_names) if self.groups else 0
+        return self.total_kv_heads * layers * 2 * self.block_size * self.head_size * self.itemsize
 
     def naming(self, rank: int) -> RunNaming:
         return naming(
@@ -79,6 +91,8 @@ class RunShape:
             pp_size=self.pp_size,
             pcp_size=self.pcp_size,
             dcp_size=self.dcp_size,
+            block_bytes=self.block_bytes,
+            kv_layout=None if self.layout.certified else self.layout.layout_id,
         )
 
     @property
@@ -106,6 +120,7 @@ def run_shape(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> RunSha
     first = kv_cache_config.kv_cache_groups[0].kv_cache_spec if kv_cache_config.kv_cache_groups else None
     block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
     dtype = model.dtype if cache.cache_dtype == "auto" else cache.cache_dtype
+    head_size = int(getattr(first, "head_size", 0))
     return RunShape(
         model_name=model.model,
         dtype=str(dtype).removeprefix("torch."),
@@ -120,6 +135,9 @@ def run_shape(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> RunSha
         world_size=par.world_size,
         block_size=block_size,
         hash_block_size=hash_block_size,
+        head_size=head_size,
+        itemsize=int(first.dtype.itemsize) if first is not None else 1,
+        layout=resolve_layout(vllm_config, first),
     )
 
 
@@ -142,20 +160,9 @@ def _optional_str(extra: dict[str, Any], name: str) -> str | None:
     return None if value is None else str(value)
 
 
-def as_layer_tensor(kv: torch.Tensor, *, num_kv_heads: int, block_size: int) -> tuple[torch.Tensor, KVLayout]:
-    """A ``(2, blocks, ...)`` view of one layer's KV tensor, whatever the backend's axis order, and its layout."""
-    if kv.dim() == 5 and kv.shape[1] == 2 and kv.shape[0] != 2:
-        kv = kv.transpose(0, 1)
-    if kv.dim() == 4:  # [blocks, H|N, N|H, 2 * head_size]: K and V side by side in the content axis
-        b, x, y, c = kv.shape
-        kv = kv.view(b, x, y, 2, c // 2).permute(3, 0, 1, 2, 4)
-    if kv.dim() != 5 or kv.shape[0] != 2:
-        raise ValueError(f"unsupported KV tensor shape {tuple(kv.shape)}")
-    if kv.shape[2] == block_size and kv.shape[3] == num_kv_heads:
-        return kv, KVLayout.NHD
-    if kv.shape[2] == num_kv_heads and kv.shape[3] == block_size:
-        return kv, KVLayout.HND
-    raise ValueError(f"cannot tell heads from tokens in KV tensor shape {tuple(kv.shape)}")
+def _log_config_failure(future: Any) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("kvgate: namespace config not recorded: %s", future.exception())
 
 
 class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
@@ -174,6 +181,8 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self.pipeline: WorkerPipeline | None = None
         self._loading: set[str] = set()
         self._load_errors: set[int] = set()
+        self._load_blocks: dict[str, set[int]] = {}  # scheduler: the blocks each request is loading into
+        self._recompute: set[str] = set()  # scheduler: requests whose load failed; vLLM recomputes, never reloads
         if role == KVConnectorRole.SCHEDULER:
             ranks = [0] if self.naming.parallel_agnostic else list(range(self.shape.world_size))
             self.planner = SchedulerPlanner(
@@ -193,8 +202,8 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     # -- scheduler side ------------------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if self.planner is None:
-            return 0, False
+        if self.planner is None or request.request_id in self._recompute:
+            return 0, False  # a failed load is not retried: the gateway may still list the bad block
         n = self.planner.matched_tokens(
             req_id=request.request_id,
             block_hashes=request.block_hashes,
@@ -207,9 +216,20 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if self.planner is not None:
+            if num_external_tokens > 0:
+                self._load_blocks[request.request_id] = {b for ids in blocks.get_block_ids() for b in ids}
             self.planner.after_alloc(
                 req_id=request.request_id, block_ids=blocks.get_block_ids(), num_external_tokens=num_external_tokens
             )
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Scheduler side: a request whose load failed (vLLM reschedules it) gets no external tokens again."""
+        bad = set(connector_output.invalid_block_ids or ())
+        for req_id, ids in list(self._load_blocks.items()):
+            if ids & bad:
+                self._recompute.add(req_id)
+        for req_id in connector_output.finished_recving or ():
+            self._load_blocks.pop(req_id, None)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if self.planner is None:
@@ -238,6 +258,8 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.planner is None:
             return False, None
+        self._load_blocks.pop(request.request_id, None)
+        self._recompute.discard(request.request_id)
         return self.planner.finished(request.request_id), None
 
     def request_finished_all_groups(
@@ -248,13 +270,22 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     # -- worker side ---------------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if not self.shape.movable:
+            return
+        # a layout other than the one the namespace is named after would store wrong bytes: refuse to start
+        check_layers(self._vllm_config, groups=self.shape.groups, layout=self.shape.layout)
         transfers = []
         for group in self.shape.groups:
-            layers, layout = {}, KVLayout.NHD
+            layers = {}
             for name in group.layer_names:
-                layers[name], layout = as_layer_tensor(
-                    kv_caches[name], num_kv_heads=self.shape.num_kv_heads, block_size=group.tokens_per_block
+                views, layout = layer_views(
+                    kv_caches[name],
+                    layout=self.shape.layout,
+                    num_kv_heads=self.shape.num_kv_heads,
+                    block_size=group.tokens_per_block,
+                    head_size=self.shape.head_size,
                 )
+                layers.update({f"{name}#{i}": v for i, v in enumerate(views)})
             transfers.append(
                 BlockTransfer(
                     kv_caches=layers,
@@ -271,6 +302,9 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             tp_size=self.shape.tp_size,
             tp_rank=self.shape.rank % self.shape.tp_size,
         )
+        if self.shape.rank == 0:  # the namespace's fields (format, layout id, block size) for the gateway's checks
+            put = self.client.put_config(self.naming.namespace, dict(self.naming.fields))
+            self.client.submit(put).add_done_callback(_log_config_failure)
 
     def _plan(self) -> StepPlan | None:
         if self.pipeline is None or not self.has_connector_metadata():

@@ -41,9 +41,17 @@ class LoopbackProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
-    def _spawn(self, argv: list[str], *, env: Mapping[str, str], ready: Callable[[], bool], timeout_s: float) -> None:
+    def _spawn(
+        self,
+        argv: list[str],
+        *,
+        env: Mapping[str, str],
+        ready: Callable[[], bool],
+        timeout_s: float,
+        cwd: Path | None = None,
+    ) -> None:
         with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(argv, cwd=self.cwd, env=dict(env), stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(argv, cwd=cwd or self.cwd, env=dict(env), stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

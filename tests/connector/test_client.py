@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from connector.client import BlockClient, ClientConfig, GatewayUnavailable
@@ -45,14 +47,27 @@ def test_lookup_one_round_trip(bc: BlockClient) -> None:
 
 
 def test_corrupt_file_is_a_miss_not_data(bc: BlockClient, gateway: Gateway) -> None:
+    # bit rot: the bytes change in place, inode and mtime stay (the gateway's version stamp cannot see it)
     key, blob = key_for(3), random_bytes(64 * 1024, seed=3)
     bc.run(bc.put(key, blob))
     path = gateway.data_dir / "blocks" / key
-    raw = bytearray(path.read_bytes())
-    raw[100] ^= 0xFF
-    path.write_bytes(bytes(raw))
-    assert bc.run(bc.get(key)) is None
+    st = path.stat()
+    with path.open("r+b") as f:
+        f.seek(100)
+        f.write(bytes([blob[100] ^ 0xFF]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert bc.run(bc.get(key)) is None  # the client's sha256 check catches it
     assert bc.stats.corrupt_reads == 1
+    # a file rewritten behind the gateway's back (a new mtime): the gateway itself finds it and drops it
+    key2, blob2 = key_for(5), random_bytes(64 * 1024, seed=5)
+    bc.run(bc.put(key2, blob2))
+    path2 = gateway.data_dir / "blocks" / key2
+    raw = bytearray(path2.read_bytes())
+    raw[100] ^= 0xFF
+    path2.write_bytes(bytes(raw))
+    assert bc.run(bc.get(key2)) is None
+    assert httpx.head(f"{gateway.url}/v1/blocks/{key2}").status_code == 404
+    assert not path2.exists()
 
 
 def test_parts_through_client(bc: BlockClient) -> None:

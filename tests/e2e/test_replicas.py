@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import aioboto3
 import httpx
@@ -115,14 +116,19 @@ def test_namespace_config_shared(replicas: tuple[Gateway, Gateway]) -> None:
         assert got.status_code == 200 and got.json() == fields
 
 
-async def _recreate_bucket(moto: MotoServer, bucket: str) -> None:
-    async with aioboto3.Session().client(
+def _s3_client(moto: MotoServer) -> Any:
+    """An aioboto3 S3 client straight to the moto server (an async context manager)."""
+    return aioboto3.Session().client(
         "s3",
         endpoint_url=moto.url,
         region_name=S3_CREDS["region"],
         aws_access_key_id=S3_CREDS["access_key_id"],
         aws_secret_access_key=S3_CREDS["secret_access_key"],
-    ) as s3:
+    )
+
+
+async def _recreate_bucket(moto: MotoServer, bucket: str) -> None:
+    async with _s3_client(moto) as s3:
         await s3.create_bucket(Bucket=bucket)
 
 
@@ -169,17 +175,14 @@ def test_s3_outage_is_503_and_recovers(tmp_path: Path) -> None:
 async def _s3_objects(moto: MotoServer, bucket: str, prefix: str) -> dict[str, bytes]:
     """Every object under ``prefix`` in the bucket, name (without the prefix) -> bytes."""
     found: dict[str, bytes] = {}
-    async with aioboto3.Session().client(
-        "s3",
-        endpoint_url=moto.url,
-        region_name=S3_CREDS["region"],
-        aws_access_key_id=S3_CREDS["access_key_id"],
-        aws_secret_access_key=S3_CREDS["secret_access_key"],
-    ) as s3:
+    async with _s3_client(moto) as s3:
         pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
         async for page in pages:
             for obj in page.get("Contents", ()):
-                body = await s3.get_object(Bucket=bucket, Key=obj["Key"])
+                try:
+                    body = await s3.get_object(Bucket=bucket, Key=obj["Key"])
+                except s3.exceptions.NoSuchKey:
+                    continue  # a retired version deleted between the listing and the read
                 async with body["Body"] as stream:
                     found[obj["Key"][len(prefix) :]] = await stream.read()
     return found

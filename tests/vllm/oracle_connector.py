@@ -11,11 +11,20 @@ import sys
 import time
 
 import torch
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig
+from vllm.config import (
+    AttentionConfig,
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    VllmConfig,
+)
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole, SupportsHMA
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -40,6 +49,8 @@ def configs(url: str, model_dir: str) -> tuple[VllmConfig, KVCacheConfig]:
         parallel_config=ParallelConfig(tensor_parallel_size=1),
         device_config=DeviceConfig(device="cpu"),
         kv_transfer_config=kt,
+        # the layout vLLM declares for a GPU run (this venv has no platform to pick one): a certified one
+        attention_config=AttentionConfig(backend=AttentionBackendEnum.FLASH_ATTN),
     )
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
@@ -62,7 +73,10 @@ def kv_tensors(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {
         f"model.layers.{i}.self_attn.attn": torch.randint(
-            -(2**15), 2**15, (2, NUM_BLOCKS, BLOCK, HEADS, HEAD), generator=g
+            -(2**15),
+            2**15,
+            (NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD),
+            generator=g,  # vLLM's logical [block, head, token, K|V] view
         )
         .to(torch.int16)
         .view(torch.bfloat16)
@@ -118,7 +132,7 @@ def check_roles(url: str, model_dir: str) -> dict[str, object]:
         time.sleep(0.01)
     errors = reader.get_block_ids_with_load_errors()
     equal = all(
-        torch.equal(dst[n][:, 5 + i].view(torch.int16), src[n][:, i].view(torch.int16)) for n in src for i in range(3)
+        torch.equal(dst[n][5 + i].view(torch.int16), src[n][i].view(torch.int16)) for n in src for i in range(3)
     )
     out = {
         "sched_role": sched.role.name,

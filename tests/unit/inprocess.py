@@ -1,0 +1,71 @@
+"""The gateway in this process: ``create_app(Settings(...))`` with its lifespan run, driven through httpx's ASGI
+transport. No socket, no subprocess: the service, parts, capacity, auth and limits at the speed of a function call.
+
+The store is the memory store (or a filesystem store under tmp_path) and the index a SQLite file under tmp_path, as
+the server has them; what this cannot see (uvicorn's protocol, header limits, a crash) stays in the end-to-end tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from fastapi import FastAPI
+
+from app.config import FsBackend, MemoryBackend, Settings
+from app.eviction import Capacity
+from app.main import create_app
+from app.service import BlockService
+
+
+@dataclass
+class Gateway:
+    """An app whose lifespan is running, and a client that speaks to it."""
+
+    app: FastAPI
+    client: httpx.AsyncClient
+
+    @property
+    def service(self) -> BlockService:
+        svc: BlockService = self.app.state.service
+        return svc
+
+    @property
+    def capacity(self) -> Capacity:
+        cap: Capacity = self.app.state.capacity
+        return cap
+
+    async def stats(self, *, headers: dict[str, str] | None = None) -> dict[str, Any]:
+        r = await self.client.get("/v1/stats", headers=headers)
+        assert r.status_code == 200, r.text
+        out: dict[str, Any] = r.json()
+        return out
+
+
+def settings_for(tmp_path: Path, *, fs: bool = False, **fields: Any) -> Settings:
+    """Settings of an in-process gateway: memory (or fs) store, SQLite index under tmp_path, no background work
+    that a test did not ask for."""
+    backend = FsBackend(root=tmp_path / "blocks", fsync=False) if fs else MemoryBackend()
+    base: dict[str, Any] = {
+        "data_dir": tmp_path,
+        "backend": backend,
+        "sqlite_synchronous": "OFF",
+        "events_enabled": False,
+        "tokens": [],
+        "tokens_file": None,
+    }
+    return Settings(**(base | fields))
+
+
+@contextlib.asynccontextmanager
+async def running(settings: Settings, *, headers: dict[str, str] | None = None) -> AsyncIterator[Gateway]:
+    """Start the app's lifespan (store, index, service, capacity) and yield a client bound to it in-process."""
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://kvgate.test", headers=headers) as client:
+            yield Gateway(app=app, client=client)

@@ -1,0 +1,197 @@
+"""Multi-part objects in process: PUT with Content-Range, visible only once the parts cover the object."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+
+from app.parts import PARTS_PREFIX
+from connector.protocol import PART_DIGEST_HEADER
+from tests.conftest import key_for, random_bytes, sha
+from tests.unit.inprocess import Gateway, running, settings_for
+
+
+def part_headers(start: int, end: int, total: int, data: bytes) -> dict[str, str]:
+    return {"Content-Range": f"bytes {start}-{end - 1}/{total}", PART_DIGEST_HEADER: sha(data)}
+
+
+async def put_part(c: httpx.AsyncClient, key: str, blob: bytes, start: int, end: int) -> httpx.Response:
+    data = blob[start:end]
+    return await c.put(f"/v1/blocks/{key}", content=data, headers=part_headers(start, end, len(blob), data))
+
+
+def part_files(root: Path) -> list[Path]:
+    parts = root / "blocks" / PARTS_PREFIX.rstrip("/")
+    return [p for p in parts.rglob("*") if p.is_file()] if parts.exists() else []
+
+
+async def test_object_visible_only_when_parts_cover_it(gw: Gateway) -> None:
+    c = gw.client
+    key, blob = key_for(1), random_bytes(4000, seed=1)
+    bounds = [(0, 1000), (1000, 2000), (2000, 3000), (3000, 4000)]
+    for i, (start, end) in enumerate([bounds[2], bounds[0], bounds[3]]):
+        r = await put_part(c, key, blob, start, end)
+        assert r.status_code == 202, r.text
+        body = r.json()
+        assert body["complete"] is False and body["digest"] is None
+        assert (body["start"], body["end"], body["total"]) == (start, end - 1, 4000)
+        assert body["part_digest"] == sha(blob[start:end])
+        assert "etag" not in r.headers
+        assert (await c.head(f"/v1/blocks/{key}")).status_code == 404, i
+        assert (await c.get(f"/v1/blocks/{key}")).status_code == 404
+        lk = (await c.post("/v1/lookup", json={"keys": [key]})).json()
+        assert lk["prefix"] == 0 and lk["blocks"][0]["present"] is False
+    stats = await gw.stats()
+    assert stats["blocks"] == 0 and stats["usage_bytes"] == 3000  # stored parts count against capacity
+
+    r = await put_part(c, key, blob, *bounds[1])
+    assert r.status_code == 201, r.text
+    assert r.json()["complete"] is True and r.json()["digest"] == sha(blob)
+    assert r.headers["etag"] == f'"{sha(blob)}"'
+    got = await c.get(f"/v1/blocks/{key}")
+    assert got.status_code == 200 and got.content == blob
+    assert got.headers["etag"] == f'"{sha(blob)}"'
+    ranged = await c.get(f"/v1/blocks/{key}", headers={"Range": "bytes=1000-2999"})
+    assert ranged.status_code == 206 and ranged.content == blob[1000:3000]
+    stats = await gw.stats()
+    assert stats["blocks"] == 1 and stats["usage_bytes"] == 4000  # the parts' bytes became the block's
+
+    again = await put_part(c, key, blob, *bounds[0])  # a part re-sent after completion changes nothing
+    assert again.status_code == 200 and again.json()["complete"] is True
+    assert again.json()["digest"] == sha(blob)
+    late = await put_part(c, key, random_bytes(4000, seed=9), *bounds[0])  # ...even with other bytes
+    assert late.status_code == 200
+    assert (await c.get(f"/v1/blocks/{key}")).content == blob
+
+
+async def test_parts_are_dropped_after_assembly(fs_gw: Gateway, tmp_path: Path) -> None:
+    key, blob = key_for(2), random_bytes(3000, seed=2)
+    assert (await put_part(fs_gw.client, key, blob, 0, 1500)).status_code == 202
+    assert len(part_files(tmp_path)) == 1
+    assert (await put_part(fs_gw.client, key, blob, 1500, 3000)).status_code == 201
+    assert part_files(tmp_path) == []
+    assert (tmp_path / "blocks" / key).read_bytes() == blob
+
+
+async def test_concurrent_final_parts_assemble_once(gw: Gateway) -> None:
+    blobs = {key_for(100 + i): random_bytes(8 * 512, seed=100 + i) for i in range(4)}
+    jobs = [put_part(gw.client, k, b, s, s + 512) for k, b in blobs.items() for s in range(0, 8 * 512, 512)]
+    results = await asyncio.gather(*jobs)
+    assert all(r.status_code in (201, 202) for r in results), [r.text for r in results if r.status_code >= 300]
+    assert sum(r.status_code == 201 for r in results) == len(blobs)  # exactly one PUT completes each object
+    for key, blob in blobs.items():
+        assert (await gw.client.get(f"/v1/blocks/{key}")).content == blob
+    stats = await gw.stats()
+    assert stats["blocks"] == 4 and stats["usage_bytes"] == 4 * 8 * 512
+
+
+async def test_same_part_twice_is_idempotent(gw: Gateway) -> None:
+    key, blob = key_for(3), random_bytes(2000, seed=3)
+    assert (await put_part(gw.client, key, blob, 0, 1000)).status_code == 202
+    r = await put_part(gw.client, key, blob, 0, 1000)
+    assert r.status_code == 200 and r.json()["complete"] is False
+    assert (await gw.stats())["usage_bytes"] == 1000  # counted once
+    assert (await put_part(gw.client, key, blob, 1000, 2000)).status_code == 201
+    assert (await gw.client.get(f"/v1/blocks/{key}")).content == blob
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        ((0, 1000, 2000), (500, 1500, 2000)),  # overlap
+        ((0, 1000, 2000), (1000, 3000, 3000)),  # another total
+        ((0, 1000, 2000), (0, 1000, 2000)),  # same range, other bytes
+    ],
+    ids=["overlap", "other-total", "other-bytes"],
+)
+async def test_inconsistent_parts_conflict(
+    gw: Gateway, first: tuple[int, int, int], second: tuple[int, int, int]
+) -> None:
+    c, key = gw.client, key_for(4)
+    a = random_bytes(first[1] - first[0], seed=4)
+    assert (await c.put(f"/v1/blocks/{key}", content=a, headers=part_headers(*first, a))).status_code == 202
+    b = random_bytes(second[1] - second[0], seed=5)
+    r = await c.put(f"/v1/blocks/{key}", content=b, headers=part_headers(*second, b))
+    assert r.status_code == 409, r.text
+    assert r.json()["error"]["code"] == "conflict"
+    assert (await c.head(f"/v1/blocks/{key}")).status_code == 404
+    assert (await gw.stats())["usage_bytes"] == first[1] - first[0]  # the refused part holds nothing
+
+
+async def test_bad_ranges_and_digests(gw: Gateway) -> None:
+    c, key, data = gw.client, key_for(5), b"x" * 100
+    url = f"/v1/blocks/{key}"
+    r = await c.put(url, content=data, headers={"Content-Range": "bytes 0-99/50"})
+    assert r.status_code == 416 and r.headers["content-range"] == "bytes */50"
+    r = await c.put(url, content=data, headers={"Content-Range": "bytes 0-49/200"})
+    assert r.status_code == 400  # Content-Length disagrees with the range
+    for bad in ("bytes=0-99/200", "bytes 99-0/200", "bytes 0-99/*", "bytes -1-99/200"):
+        r = await c.put(url, content=data, headers={"Content-Range": bad})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request", bad
+    r = await c.put(url, content=data, headers={"Content-Range": "bytes 0-99/200", PART_DIGEST_HEADER: "0" * 64})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "digest_mismatch"
+    r = await c.put(url, content=data, headers={"Content-Range": "bytes 0-99/200", PART_DIGEST_HEADER: "zz"})
+    assert r.status_code == 400
+    assert (await c.head(url)).status_code == 404
+    assert (await gw.stats())["usage_bytes"] == 0
+
+
+async def test_part_of_complete_object_with_other_total_conflicts(gw: Gateway) -> None:
+    key, blob = key_for(6), random_bytes(1000, seed=6)
+    assert (await gw.client.put(f"/v1/blocks/{key}", content=blob)).status_code == 201
+    r = await gw.client.put(f"/v1/blocks/{key}", content=blob[:500], headers=part_headers(0, 500, 2000, blob[:500]))
+    assert r.status_code == 409
+    r = await put_part(gw.client, key, blob, 0, 500)  # same total, same bytes: nothing new
+    assert r.status_code == 200 and r.json()["complete"] is True
+    wrong = await gw.client.put(
+        f"/v1/blocks/{key}",
+        content=blob[:500],
+        headers={"Content-Range": "bytes 0-499/1000", PART_DIGEST_HEADER: "0" * 64},
+    )
+    assert wrong.status_code == 400 and wrong.json()["error"]["code"] == "digest_mismatch"
+
+
+async def test_create_only_parts(gw: Gateway) -> None:
+    key, blob = key_for(7), random_bytes(2000, seed=7)
+    headers = {**part_headers(0, 1000, 2000, blob[:1000]), "If-None-Match": "*"}
+    assert (await gw.client.put(f"/v1/blocks/{key}", content=blob[:1000], headers=headers)).status_code == 202
+    headers = {**part_headers(1000, 2000, 2000, blob[1000:]), "If-None-Match": "*"}
+    assert (await gw.client.put(f"/v1/blocks/{key}", content=blob[1000:], headers=headers)).status_code == 201
+    r = await gw.client.put(f"/v1/blocks/{key}", content=blob[1000:], headers=headers)
+    assert r.status_code == 412 and r.json()["error"]["code"] == "precondition_failed"
+
+
+async def test_corrupt_stored_part_is_dropped_with_409(fs_gw: Gateway, tmp_path: Path) -> None:
+    key, blob = key_for(8), random_bytes(2000, seed=8)
+    assert (await put_part(fs_gw.client, key, blob, 0, 1000)).status_code == 202
+    (stored,) = part_files(tmp_path)
+    stored.write_bytes(b"\0" * 1000)  # bit rot while the upload is half done
+    r = await put_part(fs_gw.client, key, blob, 1000, 2000)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "conflict"
+    assert (await fs_gw.client.head(f"/v1/blocks/{key}")).status_code == 404
+    assert part_files(tmp_path) == []
+    assert (await fs_gw.stats())["usage_bytes"] == 0
+    for start, end, status in ((0, 1000, 202), (1000, 2000, 201)):  # the writers send them again
+        assert (await put_part(fs_gw.client, key, blob, start, end)).status_code == status
+    assert (await fs_gw.client.get(f"/v1/blocks/{key}")).content == blob
+
+
+async def test_part_total_over_the_block_limit(tmp_path: Path) -> None:
+    async with running(settings_for(tmp_path, max_block_bytes=1500)) as g:
+        data = b"p" * 1000
+        r = await g.client.put(f"/v1/blocks/{key_for(9)}", content=data, headers=part_headers(0, 1000, 2000, data))
+        assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
+        assert (await g.stats())["usage_bytes"] == 0
+
+
+async def test_purge_drops_incomplete_uploads(fs_gw: Gateway, tmp_path: Path) -> None:
+    for i in (40, 41):
+        assert (await put_part(fs_gw.client, key_for(i), random_bytes(2000, seed=i), 0, 1000)).status_code == 202
+    assert len(part_files(tmp_path)) == 2 and (await fs_gw.stats())["usage_bytes"] == 2000
+    ns = key_for(40).split("_r0/")[0]
+    assert (await fs_gw.client.delete(f"/v1/namespaces/{ns}")).status_code == 200
+    assert part_files(tmp_path) == []
+    assert (await fs_gw.stats())["usage_bytes"] == 0

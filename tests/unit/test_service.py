@@ -1,0 +1,132 @@
+"""BlockService through its routes, in process: lookup, namespace configs, purge, concurrent writers of one key, and
+a restart over the same store and index (usage reloaded, nothing lost)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from connector.protocol import namespace_for, run_fields
+from tests.conftest import TEST_NS, agnostic_fields, key_for, random_bytes, sha
+from tests.unit.inprocess import Gateway, running, settings_for
+
+OTHER_NS = "other_model_0123456789ab"
+
+
+async def test_lookup_is_the_present_prefix(gw: Gateway) -> None:
+    c = gw.client
+    for i in (0, 1, 3):
+        assert (await c.put(f"/v1/blocks/{key_for(i)}", content=random_bytes(100 + i, i))).status_code == 201
+    r = await c.post("/v1/lookup", json={"keys": [key_for(i) for i in range(5)]})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["prefix"] == 2
+    assert [b["present"] for b in body["blocks"]] == [True, True, False, True, False]
+    assert [b.get("size") for b in body["blocks"][:2]] == [100, 101]
+    assert (await c.post("/v1/lookup", json={"keys": []})).json()["prefix"] == 0
+    bad = await c.post("/v1/lookup", json={"keys": ["garbage"]})
+    assert bad.status_code == 400
+    stats = await gw.stats()
+    assert stats["hits"] == 0 and stats["misses"] == 0  # a lookup is not a read
+
+
+async def test_lookup_key_bound(tmp_path: Path) -> None:
+    async with running(settings_for(tmp_path, max_lookup_keys=3)) as gw:
+        assert (await gw.client.post("/v1/lookup", json={"keys": [key_for(i) for i in range(3)]})).status_code == 200
+        r = await gw.client.post("/v1/lookup", json={"keys": [key_for(i) for i in range(4)]})
+        assert r.status_code in (400, 413, 422), r.text
+
+
+async def test_namespace_config(gw: Gateway) -> None:
+    c = gw.client
+    fields = run_fields(
+        model_name="org/m", tokens_per_hash=16, blocks_per_file=1, tp_size=2, pp_size=1, pcp_size=1, dcp_size=1,
+        dtype="float16",
+    )  # fmt: skip
+    ns = namespace_for(fields)
+    assert (await c.put(f"/v1/namespaces/{ns}/config", json=fields)).status_code == 201
+    assert (await c.put(f"/v1/namespaces/{ns}/config", json=fields)).status_code == 200
+    got = await c.get(f"/v1/namespaces/{ns}/config")
+    assert got.status_code == 200 and got.json() == fields
+    mismatch = await c.put(f"/v1/namespaces/{ns}/config", json={**fields, "tp_size": 4})
+    assert mismatch.status_code == 409 and mismatch.json()["error"]["code"] == "conflict"
+    assert (await c.get(f"/v1/namespaces/{ns}/config")).json() == fields
+    assert (await c.get("/v1/namespaces/org_m_000000000000/config")).status_code == 404
+
+
+async def test_purge_removes_one_namespace(fs_gw: Gateway, tmp_path: Path) -> None:
+    c = fs_gw.client
+    fields = agnostic_fields("test-org/test-model")
+    assert namespace_for(fields) == TEST_NS
+    assert (await c.put(f"/v1/namespaces/{TEST_NS}/config", json=fields)).status_code == 201
+    mine = {key_for(i): random_bytes(1000 + i, i) for i in range(5)}
+    theirs = {key_for(i, namespace=OTHER_NS): random_bytes(500, 50 + i) for i in range(3)}
+    for key, data in (mine | theirs).items():
+        assert (await c.put(f"/v1/blocks/{key}", content=data)).status_code == 201
+    r = await c.delete(f"/v1/namespaces/{TEST_NS}")
+    assert r.status_code == 200
+    assert r.json() == {
+        "namespace": TEST_NS,
+        "blocks": 5,
+        "bytes": sum(len(v) for v in mine.values()),
+        "config": True,
+    }
+    for key in mine:
+        assert (await c.head(f"/v1/blocks/{key}")).status_code == 404
+        assert not (tmp_path / "blocks" / key).exists()
+    for key, data in theirs.items():
+        assert (await c.get(f"/v1/blocks/{key}")).content == data
+    assert (await c.get(f"/v1/namespaces/{TEST_NS}/config")).status_code == 404
+    stats = await fs_gw.stats()
+    assert (stats["blocks"], stats["usage_bytes"]) == (3, 1500)
+    names = {n["namespace"] for n in (await c.get("/v1/namespaces")).json()["namespaces"]}
+    assert names == {OTHER_NS}
+    assert (await c.delete(f"/v1/namespaces/{TEST_NS}")).status_code in (200, 404)
+
+
+async def test_concurrent_writers_of_one_key_leave_one_whole_version(fs_gw: Gateway, tmp_path: Path) -> None:
+    key = key_for(7)
+    versions = [random_bytes(20_000 + 1000 * n, 70 + n) for n in range(8)]
+    results = await asyncio.gather(*(fs_gw.client.put(f"/v1/blocks/{key}", content=v) for v in versions))
+    assert all(r.status_code in (200, 201) for r in results), [r.text for r in results]
+    got = await fs_gw.client.get(f"/v1/blocks/{key}")
+    assert got.content in versions
+    assert got.headers["etag"] == f'"{sha(got.content)}"'  # the body is the one its row names
+    assert (tmp_path / "blocks" / key).read_bytes() == got.content
+    stats = await fs_gw.stats()
+    assert (stats["blocks"], stats["usage_bytes"]) == (1, len(got.content))
+
+
+async def test_restart_over_the_same_store_and_index(tmp_path: Path) -> None:
+    cfg = settings_for(tmp_path, fs=True)
+    blocks = {key_for(i): random_bytes(3000 + i, i) for i in range(4)}
+    async with running(cfg) as gw:
+        for key, data in blocks.items():
+            assert (await gw.client.put(f"/v1/blocks/{key}", content=data)).status_code == 201
+        assert (await gw.client.delete(f"/v1/blocks/{key_for(0)}")).status_code == 204
+    del blocks[key_for(0)]
+    async with running(cfg) as gw:
+        stats = await gw.stats()
+        assert (stats["blocks"], stats["usage_bytes"]) == (3, sum(len(v) for v in blocks.values()))
+        for key, data in blocks.items():
+            got = await gw.client.get(f"/v1/blocks/{key}")
+            assert got.content == data and got.headers["etag"] == f'"{sha(data)}"'
+        assert (await gw.client.head(f"/v1/blocks/{key_for(0)}")).status_code == 404
+
+
+async def test_reconcile_adopts_and_forgets(tmp_path: Path) -> None:
+    cfg = settings_for(tmp_path, fs=True)
+    async with running(cfg) as gw:
+        for i in range(3):
+            assert (await gw.client.put(f"/v1/blocks/{key_for(i)}", content=random_bytes(500, i))).status_code == 201
+    root = tmp_path / "blocks"
+    (root / key_for(0)).unlink()  # a file gone behind the gateway's back: its row goes
+    adopted = random_bytes(700, 9)
+    (root / key_for(9)).parent.mkdir(parents=True, exist_ok=True)
+    (root / key_for(9)).write_bytes(adopted)  # a file without a row: adopted
+    async with running(cfg) as gw:
+        assert (await gw.client.head(f"/v1/blocks/{key_for(0)}")).status_code == 404
+        got = await gw.client.get(f"/v1/blocks/{key_for(9)}")
+        assert got.status_code == 200 and got.content == adopted and got.headers["etag"] == f'"{sha(adopted)}"'
+        stats = await gw.stats()
+        assert (stats["blocks"], stats["usage_bytes"]) == (3, 500 * 2 + 700)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -61,6 +63,14 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 def make(caches: dict[str, torch.Tensor], layout: KVLayout, **kw: int) -> BlockTransfer:
     opts = {"max_blocks_per_batch": 4, "store_buffers": 2, "load_buffers": 2} | kw
     return BlockTransfer(kv_caches=caches, layout=layout, **opts)
+
+
+async def until(cond: Callable[[], bool], *, timeout_s: float = 5.0) -> None:
+    """Poll ``cond`` on the loop (other tasks run between polls) until it holds; fail at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached before the deadline"
+        await asyncio.sleep(0.001)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -250,10 +260,10 @@ async def test_pool_acquire_waits_for_a_release_from_another_thread() -> None:
     assert held is not None
     cancelled = asyncio.create_task(pool.acquire())
     waiter = asyncio.create_task(pool.acquire())
-    await asyncio.sleep(0.01)
+    await until(lambda: len(pool._waiters) == 2)  # both queued behind the held buffer
     assert not waiter.done()
     cancelled.cancel()
-    threading.Timer(0.05, held.release).start()
+    threading.Thread(target=held.release).start()
     assert await asyncio.wait_for(waiter, timeout=5) is held  # handed past the cancelled waiter
     with pytest.raises(asyncio.CancelledError):
         await cancelled
@@ -266,13 +276,12 @@ async def test_buffer_handed_to_a_waiter_cancelled_meanwhile_comes_back() -> Non
     held = pool.try_acquire()
     assert held is not None
     waiter = asyncio.create_task(pool.acquire())
-    await asyncio.sleep(0.01)
+    await until(lambda: len(pool._waiters) == 1)
     held.release()  # hand-over queued on the loop ...
     waiter.cancel()  # ... and the waiter goes away before it runs
     with pytest.raises(asyncio.CancelledError):
         await waiter
-    await asyncio.sleep(0.01)
-    assert pool.available == 1
+    await until(lambda: pool.available == 1)  # the buffer came back to the pool
 
 
 @pytest.mark.parametrize(("dtype", "head_size"), [(torch.float8_e4m3fn, 5), (torch.float16, 3), (torch.float32, 1)])

@@ -25,6 +25,7 @@ ENV = {
     "KVGATE_HEADER_TIMEOUT_S": "2",
     "KVGATE_MAX_HEADER_BYTES": "16384",
     "KVGATE_MAX_JSON_BODY_BYTES": "20000",
+    "KVGATE_IO_CHUNK_BYTES": "4096",  # an upload in flight makes its temp file early
 }
 
 
@@ -71,9 +72,10 @@ def test_uploads_past_the_bound_get_429_at_once(gw: Gateway) -> None:
     try:
         for i in range(2):
             s = socket.create_connection(("127.0.0.1", gw.port))
-            s.sendall(put_head(key_for(100 + i), 1_000_000) + b"x" * 1000)
+            s.sendall(put_head(key_for(100 + i), 1_000_000) + b"x" * 600_000)  # several reads: a temp file
             held.append(s)
-        time.sleep(0.3)  # both are in the handler, reading their bodies
+        # both are in the handler, reading their bodies: each has its temp file
+        assert wait_until(lambda: len(temp_files(gw)) == 2), temp_files(gw)
         r = httpx.put(f"{gw.url}/v1/blocks/{key_for(102)}", content=b"y" * 100, timeout=5)
         assert r.status_code == 429
         assert r.headers["retry-after"] == "1"

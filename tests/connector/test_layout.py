@@ -109,7 +109,7 @@ def test_headers() -> None:
 
 # --- per-backend page layouts (connector.layout.backend_layout / layer_views) ----------------------------------
 
-torch = pytest.importorskip("torch")
+import torch  # noqa: E402  (a test dependency: a missing torch is a broken install, not a skip)
 
 from connector.layout import (  # noqa: E402
     BackendLayout,

@@ -16,6 +16,7 @@ import pytest
 from tests.conftest import key_for, random_bytes, sha
 from tests.security.conftest import bearer, start_secure
 from tests.security.test_limits import put_head, temp_files, wait_until
+from tests.services import require_or_skip
 
 W = bearer("write")
 A = bearer("admin")
@@ -90,7 +91,7 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
     mnt.mkdir()
     proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True)
     if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
+        require_or_skip(f"cannot mount a tmpfs here (root needed): {proc.stderr.decode().strip()}")
     try:
         yield mnt
     finally:

@@ -7,7 +7,10 @@ the server has them; what this cannot see (uvicorn's protocol, header limits, a 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import shutil
+import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +21,7 @@ from fastapi import FastAPI
 
 from app.config import FsBackend, MemoryBackend, Settings
 from app.eviction import Capacity
+from app.index.migrate import upgrade_head
 from app.main import create_app
 from app.service import BlockService
 
@@ -61,9 +65,29 @@ def settings_for(tmp_path: Path, *, fs: bool = False, **fields: Any) -> Settings
     return Settings(**(base | fields))
 
 
+_template: list[Path] = []
+
+
+async def _migrated_index(dest: Path) -> None:
+    """Copy an index migrated once per session to ``dest`` (the lifespan's migration then finds nothing to do)."""
+    if not _template:
+        where = Path(tempfile.mkdtemp(prefix="kvgate-unit-index-"))
+        atexit.register(shutil.rmtree, where, ignore_errors=True)
+        await upgrade_head(f"sqlite+aiosqlite:///{where / 'index.db'}")
+        _template.append(where / "index.db")
+    for suffix in ("", "-wal"):
+        src = _template[0].with_name(_template[0].name + suffix)
+        if src.exists():
+            shutil.copyfile(src, dest.with_name(dest.name + suffix))
+
+
 @contextlib.asynccontextmanager
 async def running(settings: Settings, *, headers: dict[str, str] | None = None) -> AsyncIterator[Gateway]:
     """Start the app's lifespan (store, index, service, capacity) and yield a client bound to it in-process."""
+    index_file = settings.data_dir / "index.db"
+    if settings.db_url is None and not index_file.exists():
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        await _migrated_index(index_file)
     app = create_app(settings)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)

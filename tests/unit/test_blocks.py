@@ -102,11 +102,10 @@ async def test_empty_block_and_bad_keys(any_gw: Gateway) -> None:
     assert (await c.put(f"/v1/blocks/{empty}", content=b"")).status_code == 201
     got = await c.get(f"/v1/blocks/{empty}")
     assert got.status_code == 200 and got.content == b"" and got.headers["etag"] == f'"{sha(b"")}"'
-    for bad in ("garbage", "../etc/passwd", f"{key_for(1)}x", f"_parts/{key_for(1)}/0-9.x"):
+    for bad in ("garbage", "a/%2e%2e/%2e%2e/etc/passwd", f"{key_for(1)}x", f"_parts/{key_for(1)}/0-9.x"):
         r = await c.put(f"/v1/blocks/{bad}", content=b"0123456789")
-        assert r.status_code in (400, 404), (bad, r.status_code)
-        if r.status_code == 400:
-            assert r.json()["error"]["code"] == "invalid_request", (bad, r.text)
+        assert r.status_code == 400, (bad, r.status_code)
+        assert r.json()["error"]["code"] == "invalid_request", (bad, r.text)
 
 
 async def test_ranges(any_gw: Gateway) -> None:
@@ -114,33 +113,32 @@ async def test_ranges(any_gw: Gateway) -> None:
     key, data = key_for(400), random_bytes(64 * KiB, 400)
     assert (await c.put(f"/v1/blocks/{key}", content=data)).status_code == 201
     size = len(data)
-    cases = {
-        "bytes=1000-40959": data[1000:40960],
-        "bytes=-10": data[-10:],
-        f"bytes={size - 5}-": data[-5:],
-        "bytes=0-0": data[:1],
-        f"bytes=100-{size + 1000}": data[100:],  # the end is clipped to the object
-    }
-    for header, want in cases.items():
+    cases = [  # Range header -> the half-open span served
+        ("bytes=1000-40959", 1000, 40960),
+        ("bytes=-10", size - 10, size),
+        (f"bytes={size - 5}-", size - 5, size),
+        ("bytes=0-0", 0, 1),
+        (f"bytes=100-{size + 1000}", 100, size),  # the end is clipped to the object
+    ]
+    for header, start, end in cases:
+        want = data[start:end]
         part = await c.get(f"/v1/blocks/{key}", headers={"Range": header})
         assert part.status_code == 206, (header, part.text)
         assert part.content == want, header
-        first = (
-            size - len(want) if header.startswith(("bytes=-", f"bytes={size - 5}")) else int(header[6:].split("-")[0])
-        )
-        assert part.headers["content-range"] == f"bytes {first}-{first + len(want) - 1}/{size}", header
+        assert part.headers["content-range"] == f"bytes {start}-{end - 1}/{size}", header
         assert part.headers["content-length"] == str(len(want))
         assert part.headers[RANGE_DIGEST_HEADER] == sha(want), header
         assert part.headers["etag"] == f'"{sha(data)}"'
 
-    for header in (f"bytes={size}-", "bytes=-0"):
+    for header in (f"bytes={size}-", "bytes=-0", "bytes=5-1"):
         bad = await c.get(f"/v1/blocks/{key}", headers={"Range": header})
         assert bad.status_code == 416, header
         assert bad.headers["content-range"] == f"bytes */{size}"
         assert bad.json()["error"]["code"] == "range_not_satisfiable"
-    for header in ("bytes=5-1", "items=0-1", "bytes=0-1,4-5", "bytes=a-b"):
+    for header in ("items=0-1", "bytes=0-1,4-5", "bytes=a-b", "bytes=-"):
         bad = await c.get(f"/v1/blocks/{key}", headers={"Range": header})
-        assert bad.status_code in (400, 416), (header, bad.status_code)
+        assert bad.status_code == 400, (header, bad.status_code)
+        assert bad.json()["error"]["code"] == "invalid_request"
     miss = await c.get(f"/v1/blocks/{key_for(401)}", headers={"Range": "bytes=0-1"})
     assert miss.status_code == 404
 

@@ -128,7 +128,8 @@ async def test_locked_index_is_503_then_recovers(tmp_path: Path) -> None:
         finally:
             holder.execute("ROLLBACK")
             holder.close()
-        assert (await c.put(f"/v1/blocks/{key_for(2)}", content=b"new" * 1000)).status_code in (200, 201)
+        again = await c.put(f"/v1/blocks/{key_for(2)}", content=b"new" * 1000)
+        assert again.status_code == 201  # the PUT answered 503 left nothing behind
         assert (await c.get(f"/v1/blocks/{key_for(2)}")).content == b"new" * 1000
         assert (await c.get("/readyz")).status_code == 200
 

@@ -133,7 +133,8 @@ class BlockService(Removal):
     async def _changing(self, key: str) -> AsyncIterator[None]:
         """Hold ``key`` for one change. The cache epoch moves when it starts and again when it ends, so a reader
         whose index read overlapped the change (it may have read the row before the change committed) never caches
-        what it read; the change itself caches the version it made."""
+        what it read, nor does one that read while the key is held (``_row``); the change caches the version it
+        made."""
         async with self.locks(key):
             self.changing += 1
             self.cache.epoch += 1
@@ -153,7 +154,8 @@ class BlockService(Removal):
         if record is None:
             return None
         meta = _meta(record)
-        self.cache.put(meta, read_at_epoch=epoch)
+        if not self.locks.held(key):  # a change of the key in flight may not have committed yet: do not keep it
+            self.cache.put(meta, read_at_epoch=epoch)
         return meta
 
     async def _discard(self, staged: Staged) -> None:

@@ -213,7 +213,8 @@ def gc(
     for what, value in (
         ("rows dropped (no data)", report.rows_dropped),
         ("blocks adopted (no row)", report.adopted),
-        ("rows re-read (size changed)", report.resized),
+        ("rows in doubt (another version on disk)", report.resized),
+        ("corrupt blocks removed", report.corrupt_removed),
         ("configs adopted", report.configs_adopted),
         ("temp files removed", report.temp_removed),
         ("stale uploads dropped (parts)", report.stale_uploads_dropped),

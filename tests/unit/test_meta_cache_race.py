@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from app.core.keystate import MetaCache
+from app.core.removal import _version_of
+from app.core.service import BlockService, parse_key
 from app.errors import BlockNotFound
 from app.index import Index, make_engine
 from app.index.migrate import upgrade_head
-from app.keystate import MetaCache
-from app.removal import _version_of
-from app.service import BlockService, parse_key
 from app.storage.memory import MemoryStore
 from tests.conftest import key_for
 

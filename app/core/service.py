@@ -26,6 +26,11 @@ from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from app.core.events import NO_EVENTS, EventSink
+from app.core.keystate import BlockMeta, KeyLocks, MetaCache
+from app.core.parts import ByteSpan, PartAssembler, PartOutcome
+from app.core.reads import OpenBlock
+from app.core.removal import Removal
 from app.errors import (
     BlockNotFound,
     Conflict,
@@ -36,12 +41,7 @@ from app.errors import (
     PreconditionFailed,
     VersionMismatch,
 )
-from app.events import NO_EVENTS, EventSink
 from app.index import BlockRecord, Index
-from app.keystate import BlockMeta, KeyLocks, MetaCache
-from app.parts import ByteSpan, PartAssembler, PartOutcome
-from app.reads import OpenBlock
-from app.removal import Removal
 from app.storage import BlockStore
 from app.storage.base import BodyChecker, Staged
 from connector.protocol import (
@@ -75,7 +75,7 @@ class Counters:
 
 
 class CapacityHook(Protocol):
-    """Capacity (app/eviction.py): admission of writes, and the usage figures every change of a key updates."""
+    """Capacity (app/core/eviction.py): admission of writes, and the usage figures every change of a key updates."""
 
     async def admit(self, *, namespace: str, size: int, replacing: int) -> None:
         """Reserve room for ``size`` bytes (replacing ``replacing``), evicting if need be, or raise 507."""
@@ -107,9 +107,9 @@ class BlockService(Removal):
         self.parts = PartAssembler(store=store, index=index, locks=self.locks, commit=self._commit, usage=self._usage)
         self.counters = Counters()
         self.capacity: CapacityHook | None = None
-        """Set by create_app (app/eviction.py)."""
+        """Set by create_app (app/core/eviction.py)."""
         self.events: EventSink = NO_EVENTS
-        """Told of each committed change (app/events.py); set by create_app."""
+        """Told of each committed change (app/core/events.py); set by create_app."""
         self.changing = 0
         """Changes of keys in flight (a usage resync waits for none)."""
         self._versioned = bool(getattr(store, "versioned", False))

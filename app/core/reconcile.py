@@ -27,10 +27,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from app.core.parts import PARTS_PREFIX
+from app.core.service import BlockService
 from app.errors import BlockNotFound
 from app.index import BlockRecord, Index
-from app.parts import PARTS_PREFIX
-from app.service import BlockService
 from app.storage import BlockStore, ObjectInfo
 from connector.protocol import InvalidKey, check_namespace_fields, parse_block_key, parse_config_key
 

@@ -1,7 +1,7 @@
 """Removal, adoption and repair of keys: the half of BlockService that takes versions away or re-reads them.
 
 Each method changes a key under its lock (``BlockService._changing``), row first, then data; the usage figures
-move by the exact rows removed or recorded. Kept apart from app/service.py only for size: it is BlockService.
+move by the exact rows removed or recorded. Kept apart from app/core/service.py only for size: it is BlockService.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
+from app.core.events import EventSink
+from app.core.keystate import BlockMeta, MetaCache
+from app.core.parts import PartAssembler
 from app.errors import BlockNotFound, InvalidRequest, KVGateError, NamespaceNotFound
-from app.events import EventSink
 from app.index import BlockRecord, Candidate, Index
-from app.keystate import BlockMeta, MetaCache
-from app.parts import PartAssembler
 from app.storage import BlockStore
 from connector.protocol import BlockKey, InvalidKey, config_path, parse_block_key, parse_namespace
 

@@ -34,9 +34,7 @@ def _imports(path: Path) -> Iterator[str]:
 
 
 def _graph() -> dict[str, set[str]]:
-    return {
-        _module(p): set(_imports(p)) for top in ("app", "connector") for p in sorted((REPO / top).rglob("*.py"))
-    }
+    return {_module(p): set(_imports(p)) for top in ("app", "connector") for p in sorted((REPO / top).rglob("*.py"))}
 
 
 GRAPH = _graph()

@@ -1,3 +1,3 @@
-from app.cli import main
+from app.tools.cli import main
 
 main()

@@ -13,20 +13,20 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 
-from app import __version__, auth, limits, metrics
-from app.api import admin, blocks, docs, errors, events, health, lookup, namespaces
+from app import __version__
+from app.api import admin, auth, blocks, docs, errors, events, health, limits, lookup, metrics, namespaces
 from app.config import Settings
-from app.events import EventBus
-from app.eviction import Capacity
+from app.core.events import EventBus
+from app.core.eviction import Capacity
+from app.core.keystate import MetaCache
+from app.core.reconcile import reconcile
+from app.core.service import BlockService
 from app.index import Index, make_engine
 from app.index.migrate import upgrade_head
-from app.keystate import MetaCache
-from app.reconcile import reconcile
-from app.service import BlockService
 from app.storage import build_store
 
 if TYPE_CHECKING:
-    from app.events_zmq import ZmqPublisher
+    from app.core.events_zmq import ZmqPublisher
 
 log = logging.getLogger("kvgate")
 
@@ -109,7 +109,7 @@ async def _start_events(cfg: Settings) -> tuple[EventBus | None, ZmqPublisher | 
     bus = EventBus(buffer=cfg.events_buffer)
     publisher = None
     if cfg.events_endpoint:
-        from app.events_zmq import ZmqPublisher
+        from app.core.events_zmq import ZmqPublisher
 
         publisher = ZmqPublisher(
             endpoint=cfg.events_endpoint,

@@ -27,8 +27,8 @@ from typing import Any
 import msgspec
 import zmq
 
-from app.events import EventBus
-from app.events_zmq import KVEventBatch, ZmqPublisher
+from app.core.events import EventBus
+from app.core.events_zmq import KVEventBatch, ZmqPublisher
 from app.index import BlockRecord
 from tests.conftest import key_for
 from tests.events.helpers import events_gateway

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from app.auth import hash_token
+from app.api.auth import hash_token
 from connector.protocol import block_path
 from tests.gateway import Gateway
 

@@ -10,10 +10,10 @@ from pydantic import BaseModel, Field
 
 from app.api.deps import service
 from app.api.errors import documented
+from app.core.eviction import Capacity
+from app.core.service import BlockService
 from app.errors import InvalidRequest, NamespaceNotFound
-from app.eviction import Capacity
 from app.index import NamespaceUsage
-from app.service import BlockService
 from connector.protocol import InvalidKey, parse_namespace
 
 router = APIRouter(prefix="/v1", tags=["admin"])

@@ -14,12 +14,12 @@ from app.api.deps import service, settings
 from app.api.errors import documented
 from app.api.thin import ThinRoute
 from app.config import Settings
+from app.core.events import META_HEADER, parse_meta_header, writer_meta
+from app.core.keystate import BlockMeta
+from app.core.parts import parse_content_range
+from app.core.reads import OpenBlock, read_range_verified, resolve_range
+from app.core.service import BlockService, parse_key
 from app.errors import InvalidRequest, LengthRequired, PayloadTooLarge
-from app.events import META_HEADER, parse_meta_header, writer_meta
-from app.keystate import BlockMeta
-from app.parts import parse_content_range
-from app.reads import OpenBlock, read_range_verified, resolve_range
-from app.service import BlockService, parse_key
 from connector.protocol import DIGEST_HEADER, PART_DIGEST_HEADER, RANGE_DIGEST_HEADER, BlockKey
 
 router = APIRouter(prefix="/v1/blocks", tags=["blocks"], route_class=ThinRoute)  # the data path: cheap binding

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import Request
 
 from app.config import Settings
-from app.service import BlockService
+from app.core.service import BlockService
 
 
 def service(request: Request) -> BlockService:

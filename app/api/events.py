@@ -16,8 +16,8 @@ from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import StreamingResponse
 
 from app.api.errors import documented
+from app.core.events import EventBus
 from app.errors import EventsDisabled, InvalidRequest
-from app.events import EventBus
 
 router = APIRouter(prefix="/v1", tags=["events"])
 

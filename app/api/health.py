@@ -9,8 +9,8 @@ from fastapi.responses import JSONResponse
 
 from app.api.deps import service
 from app.api.errors import documented, response_for
+from app.core.service import BlockService
 from app.errors import KVGateError
-from app.service import BlockService
 
 router = APIRouter(tags=["health"])
 

@@ -10,8 +10,8 @@ from pydantic import BaseModel, Field
 from app.api.deps import service, settings
 from app.api.errors import documented
 from app.config import Settings
+from app.core.service import BlockService
 from app.errors import PayloadTooLarge
-from app.service import BlockService
 
 
 class LookupRequest(BaseModel):

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Body, Depends, Response
 
 from app.api.deps import service
 from app.api.errors import documented
-from app.service import BlockService
+from app.core.service import BlockService
 
 router = APIRouter(prefix="/v1/namespaces", tags=["namespaces"])
 

@@ -43,7 +43,7 @@ class Namespace(Base):
 
 
 class Part(Base):
-    """One byte range of a multi-part object that is not complete yet (see app/parts.py)."""
+    """One byte range of a multi-part object that is not complete yet (see app/core/parts.py)."""
 
     __tablename__ = "parts"
 

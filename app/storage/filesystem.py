@@ -47,6 +47,14 @@ def stamp_of(st: os.stat_result) -> str:
     return f"{st.st_ino}:{st.st_mtime_ns}"
 
 
+def written_before(stamp: str, other: str | None) -> bool:
+    """``stamp``'s file was written before ``other``'s (both stamps of this store; False if either is not)."""
+    try:
+        return int(stamp.split(":")[1]) < int((other or "").split(":")[1])
+    except (IndexError, ValueError):
+        return False
+
+
 async def batched(body: AsyncIterable[bytes], *, chunk_bytes: int, max_pieces: int = 512) -> AsyncIterator[list[bytes]]:
     """Group network chunks into lists of at least ``chunk_bytes`` (at most ``max_pieces``, under IOV_MAX)."""
     pieces: list[bytes] = []
@@ -295,6 +303,10 @@ class FilesystemStore:
 
         for info in await _io(walk, what="list"):
             yield info
+
+    def written_before(self, stamp: str, other: str | None) -> bool:
+        """Reconcile: the file under a key is older than the version its row names (a crash before the rename)."""
+        return written_before(stamp, other)
 
     async def remove_temp_files(self, *, older_than_s: float = 0.0) -> int:
         """Delete temp files of interrupted writes; returns how many were removed."""

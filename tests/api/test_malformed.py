@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from app.core.reads import resolve_range
 from app.errors import InvalidRequest, RangeNotSatisfiable
-from app.reads import resolve_range
 from tests.conftest import TEST_NS, key_for
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from app.bench import NAMESPACE, Payloads, bench_key
+from app.tools.bench import NAMESPACE, Payloads, bench_key
 from connector.protocol import parse_block_key
 from tests.gateway import REPO, Gateway
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import httpx
 from typer.testing import CliRunner
 
-from app.cli import cli
+from app.tools.cli import cli
 from tests.capacity.helpers import block_files, index_rows
 from tests.conftest import TEST_NS, key_for
 from tests.gateway import Gateway

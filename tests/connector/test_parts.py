@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.parts import PARTS_PREFIX
+from app.core.parts import PARTS_PREFIX
 from connector.protocol import PART_DIGEST_HEADER, InvalidKey, parse_block_key
 from tests.conftest import key_for, random_bytes, sha
 from tests.gateway import REPO, Gateway

@@ -143,11 +143,6 @@ def test_create_only_has_one_winner(gateway: Gateway) -> None:
     assert_stats_exact(gateway.url, assert_fs_agrees(gateway.data_dir))
 
 
-@pytest.mark.xfail(
-    reason="known bug, open: after eviction under races a HEAD can still answer 200 from a stale metadata-cache "
-    "entry while GET and lookup miss (seen in about half the runs); bodies and ETags stay consistent",
-    strict=False,
-)
 def test_eviction_races_gets_and_puts(tmp_path: Path) -> None:
     """A 40-block bound, writers overwriting 120 keys, readers: usage stays the sum of the rows, always."""
     block = 32 * 1024

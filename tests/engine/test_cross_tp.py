@@ -15,7 +15,8 @@ from tests.engine.conftest import Engine, words
 from tests.engine.test_engine import full_blocks, same_output
 from tests.gateway import Gateway
 
-pytestmark = pytest.mark.engine
+# the module fixture makes several engine runs (about a minute each here, several under load): not 300 s in all
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(2400)]
 
 P = words(78, seed=6000)
 Q = words(78, seed=7000)

@@ -21,7 +21,8 @@ import pytest
 from tests.engine.conftest import BLOCK, HERE, Engine, words
 from tests.gateway import Gateway
 
-pytestmark = pytest.mark.engine
+# the module fixture makes several engine runs (about a minute each here, several under load): not 300 s in all
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(2400)]
 
 P = words(78, seed=1000)  # ~150 tokens: 4 full blocks
 C = " ".join(P.split()[:40]) + " " + words(30, seed=2000)  # shares P's first ~2 blocks only

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from app.core.events import MAX_META_TOKENS, WriterMeta, parse_meta_header
+from app.core.events_zmq import wire_hash
 from app.errors import InvalidRequest
-from app.events import MAX_META_TOKENS, WriterMeta, parse_meta_header
-from app.events_zmq import wire_hash
 
 PARENT = "ab" * 32
 

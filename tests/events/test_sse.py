@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 from typer.testing import CliRunner
 
-from app.cli import cli
+from app.tools.cli import cli
 from connector.protocol import namespace_for
 from tests.conftest import TEST_NS, agnostic_fields, key_for
 from tests.events.helpers import events_gateway, hello, read_batches, sse

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 from typer.testing import CliRunner
 
-from app.cli import cli
+from app.tools.cli import cli
 from tests.conftest import TEST_NS, key_for
 from tests.gateway import REPO, Gateway, free_port
 

@@ -12,9 +12,9 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from app.cli import cli
 from app.config import FsBackend, Settings
 from app.settings_help import markdown_table, readme_section, rows
+from app.tools.cli import cli
 from tests.conftest import key_for
 from tests.gateway import REPO, Gateway
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from app.auth import hash_token
+from app.api.auth import hash_token
 from connector.protocol import namespace_for
 from tests.conftest import TEST_NS, agnostic_fields
 from tests.gateway import Gateway

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.auth import hash_token
+from app.api.auth import hash_token
 from connector.client import BlockClient, ClientConfig, GatewayTLSError
 from tests.conftest import key_for, random_bytes
 from tests.gateway import Gateway
@@ -186,7 +186,7 @@ def test_cli_commands_take_the_tls_options(mtls: TlsGateway, pki: Pki, tmp_path:
 
     from typer.testing import CliRunner
 
-    from app.cli import cli
+    from app.tools.cli import cli
     from tests.gateway import REPO
 
     runner = CliRunner()

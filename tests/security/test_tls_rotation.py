@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from app.api.tls import bind_warnings
 from app.config import Settings, TokenSpec
-from app.tls import bind_warnings
 from tests.conftest import key_for, random_bytes
 from tests.gateway import REPO, free_port
 from tests.security.tls_pki import CA, Leaf, TlsGateway, client_context, served_cert

@@ -3,7 +3,7 @@
 BlockService calls :meth:`EventBus.stored` / :meth:`EventBus.removed` right after a change of a key has committed
 (never for one that did not), on the event loop, under the key's lock; so the calls come in commit order. Events
 made in one turn of the loop go out as one batch (a namespace purge is mostly one), with the next sequence number.
-Each batch goes to the ZMQ publisher (app/events_zmq.py: vLLM's own wire format) and to the subscribers of
+Each batch goes to the ZMQ publisher (app/core/events_zmq.py: vLLM's own wire format) and to the subscribers of
 ``GET /v1/events`` (JSON), and stays in a bounded ring for replays.
 
 Sequence numbers after a restart: the first batch of a gateway process is numbered with the wall clock in

@@ -21,9 +21,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from app.config import Settings
+from app.core.service import BlockService
 from app.errors import InsufficientStorage, KVGateError
 from app.index import Candidate, NamespaceUsage
-from app.service import BlockService
 from connector.protocol import InvalidKey, parse_block_key
 
 log = logging.getLogger("kvgate.eviction")

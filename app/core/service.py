@@ -26,6 +26,11 @@ from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from app.core.events import NO_EVENTS, EventSink
+from app.core.keystate import BlockMeta, KeyLocks, MetaCache
+from app.core.parts import ByteSpan, PartAssembler, PartOutcome
+from app.core.reads import OpenBlock
+from app.core.removal import Removal
 from app.errors import (
     BlockNotFound,
     Conflict,
@@ -36,12 +41,7 @@ from app.errors import (
     PreconditionFailed,
     VersionMismatch,
 )
-from app.events import NO_EVENTS, EventSink
 from app.index import BlockRecord, Index
-from app.keystate import BlockMeta, KeyLocks, MetaCache
-from app.parts import ByteSpan, PartAssembler, PartOutcome
-from app.reads import OpenBlock
-from app.removal import Removal
 from app.storage import BlockStore
 from app.storage.base import BodyChecker, Staged
 from connector.protocol import (
@@ -75,7 +75,7 @@ class Counters:
 
 
 class CapacityHook(Protocol):
-    """Capacity (app/eviction.py): admission of writes, and the usage figures every change of a key updates."""
+    """Capacity (app/core/eviction.py): admission of writes, and the usage figures every change of a key updates."""
 
     async def admit(self, *, namespace: str, size: int, replacing: int) -> None:
         """Reserve room for ``size`` bytes (replacing ``replacing``), evicting if need be, or raise 507."""
@@ -107,9 +107,9 @@ class BlockService(Removal):
         self.parts = PartAssembler(store=store, index=index, locks=self.locks, commit=self._commit, usage=self._usage)
         self.counters = Counters()
         self.capacity: CapacityHook | None = None
-        """Set by create_app (app/eviction.py)."""
+        """Set by create_app (app/core/eviction.py)."""
         self.events: EventSink = NO_EVENTS
-        """Told of each committed change (app/events.py); set by create_app."""
+        """Told of each committed change (app/core/events.py); set by create_app."""
         self.changing = 0
         """Changes of keys in flight (a usage resync waits for none)."""
         self._versioned = bool(getattr(store, "versioned", False))
@@ -133,7 +133,8 @@ class BlockService(Removal):
     async def _changing(self, key: str) -> AsyncIterator[None]:
         """Hold ``key`` for one change. The cache epoch moves when it starts and again when it ends, so a reader
         whose index read overlapped the change (it may have read the row before the change committed) never caches
-        what it read; the change itself caches the version it made."""
+        what it read, nor does one that read while the key is held (``_row``); the change caches the version it
+        made."""
         async with self.locks(key):
             self.changing += 1
             self.cache.epoch += 1
@@ -153,7 +154,8 @@ class BlockService(Removal):
         if record is None:
             return None
         meta = _meta(record)
-        self.cache.put(meta, read_at_epoch=epoch)
+        if not self.locks.held(key):  # a change of the key in flight may not have committed yet: do not keep it
+            self.cache.put(meta, read_at_epoch=epoch)
         return meta
 
     async def _discard(self, staged: Staged) -> None:

@@ -1,8 +1,11 @@
 """Reconcile the index with the store: at start-up (before serving) and from ``kvgate gc``.
 
 - temp files of interrupted writes are removed (filesystem store);
-- a row whose data is gone is dropped; a row whose data is another version than the one it names (its stamp: a
-  crash between the row and the rename) is re-read and re-recorded: found by a stat, not by re-hashing the store;
+- a row whose data is gone is dropped; a row whose data is another version than the one it names (found by a
+  stat, not by re-hashing the store) is settled by which is older. Data older than its row is the version before
+  it (a crash between the row and the rename): re-read and recorded. Data newer than its row was changed behind
+  the gateway's back: kept if its bytes are still the row's (a copy, a touch), else removed with its row as
+  corruption (a miss, never bytes the row does not vouch for; BlockService.repair);
 - S3 versions that no row names (a write that never committed, a replaced version) are removed once older than
   ``stale_parts_s``;
 - data without a row is adopted: size and digest recomputed (bounded concurrency), namespace/rank/group parsed
@@ -24,10 +27,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from app.core.parts import PARTS_PREFIX
+from app.core.service import BlockService
 from app.errors import BlockNotFound
 from app.index import BlockRecord, Index
-from app.parts import PARTS_PREFIX
-from app.service import BlockService
 from app.storage import BlockStore, ObjectInfo
 from connector.protocol import InvalidKey, check_namespace_fields, parse_block_key, parse_config_key
 
@@ -47,6 +50,7 @@ class ReconcileReport:
     stale_uploads_dropped: int = 0
     part_objects_removed: int = 0
     stale_versions_removed: int = 0
+    corrupt_removed: int = 0
     left_alone: list[str] = field(default_factory=list)
     blocks: int = 0
     bytes: int = 0
@@ -149,7 +153,9 @@ async def reconcile(
     missing = [k for k in rows if k not in current]
     report.rows_dropped = await service.forget(missing)
     todo: list[ObjectInfo] = []
+    doubtful: list[str] = []
     legacy: dict[str, str] = {}
+    written_before = getattr(store, "written_before", None)
     for key, info in current.items():
         row = rows.get(key)
         if row is None:
@@ -158,11 +164,21 @@ async def reconcile(
             if info.stamp is not None:
                 legacy[key] = info.stamp  # a row from before 0003: trusted as before, now stamped
         elif row != (info.size, info.stamp):
-            todo.append(info)  # in doubt: a crash between the row and the rename, or a change behind our back
             report.resized += 1
+            if info.stamp is not None and written_before is not None and written_before(info.stamp, row[1]):
+                todo.append(info)  # the version before the row's: a crash between the row and the rename
+            else:
+                doubtful.append(key)  # changed behind our back: the row's bytes, or corruption
     await index.set_stamps(legacy)
 
     sem = asyncio.Semaphore(concurrency)
+
+    async def verify(key: str) -> None:
+        async with sem:
+            if not await service.repair(parse_block_key(key)):
+                report.corrupt_removed += 1
+
+    await asyncio.gather(*(verify(k) for k in doubtful))
     done = 0
     records: list[BlockRecord] = []
 
@@ -199,7 +215,7 @@ async def reconcile(
     note("write", 0, len(records))
     await service.adopt_records(records)
     note("write", len(records), len(records))
-    report.adopted = len(records) - report.resized
+    report.adopted = len(records) - (report.resized - len(doubtful))
 
     cutoff = time.time() - stale_parts_s
     for info in extra:  # uncommitted or replaced versions, once no writer can still be committing them

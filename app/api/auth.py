@@ -30,12 +30,12 @@ from starlette.convertors import Convertor
 from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.api.cert_identity import CertPrincipals
 from app.api.errors import response_for
-from app.cert_identity import CertPrincipals
+from app.api.limits import extend_openapi
+from app.api.tls import peer_cert
 from app.config import Settings, TokenSpec
 from app.errors import Forbidden, PayloadTooLarge, Unauthorized
-from app.limits import extend_openapi
-from app.tls import peer_cert
 from connector.protocol import MAX_KEY_LEN, InvalidKey, parse_block_key, parse_config_key, parse_namespace
 
 log = logging.getLogger("kvgate.auth")
@@ -168,7 +168,7 @@ def is_loopback(host: str) -> bool:
 def check_bind(settings: Settings) -> None:
     """Refuse to serve a non-loopback address without principals (raises ValueError with the reason).
 
-    The transport half of the rule (TLS) is :func:`app.tls.bind_warnings`.
+    The transport half of the rule (TLS) is :func:`app.api.tls.bind_warnings`.
     """
     if not is_loopback(settings.host) and not load_tokens(settings):
         raise ValueError(

@@ -21,7 +21,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from app.events import Batch, Event
+from app.core.events import Batch, Event
 
 log = logging.getLogger("kvgate.events")
 

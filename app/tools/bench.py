@@ -21,8 +21,8 @@ from typing import Annotated, Any, Literal
 
 import typer
 
-from app.bench_clients import Client, make_client
-from app.tls_client import CaCert, ClientCert, ClientKey, ClientTLS
+from app.tools.bench_clients import Client, make_client
+from app.tools.tls_client import CaCert, ClientCert, ClientKey, ClientTLS
 from connector.protocol import block_path
 
 NAMESPACE = "kvgate-bench_000000000000"

@@ -7,8 +7,8 @@ import logging
 import re
 from collections.abc import AsyncIterator
 
+from app.core.keystate import BlockMeta
 from app.errors import BlockNotFound, DigestMismatch, InvalidRequest, RangeNotSatisfiable, SizeMismatch
-from app.keystate import BlockMeta
 from app.storage import ObjectReader
 from app.storage.base import BodyChecker
 

@@ -33,6 +33,11 @@ class KeyLocks:
             self._locks[key] = lock
         return lock
 
+    def held(self, key: str) -> bool:
+        """A change of ``key`` is in flight now."""
+        lock = self._locks.get(key)
+        return lock is not None and lock.locked()
+
     async def settle(self, key: str) -> None:
         """Wait until the change of ``key`` in flight now (if any) is done."""
         lock = self._locks.get(key)
@@ -44,8 +49,10 @@ class KeyLocks:
 class MetaCache:
     """Bounded LRU of block metadata, optionally with a time-to-live (several gateways sharing one index).
 
-    An entry is filled by a reader only if no change of any key committed while it read the index (``epoch``),
-    so a reader that read a row just before a PUT replaced it cannot put the old row back after the PUT's entry.
+    An entry is filled by a reader only if no change of any key started or ended while it read the index
+    (``epoch``) and no change of its key is in flight when it fills it (BlockService._row): so a reader that read a
+    row just before a PUT replaced it cannot put the old row back after the PUT's entry, and a read made wholly
+    inside a removal (after its lock, before its commit) cannot keep the removed row.
     """
 
     def __init__(self, *, entries: int, ttl_s: float | None) -> None:

@@ -23,9 +23,9 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from app.core.keystate import KeyLocks
 from app.errors import BlockNotFound, Conflict, DigestMismatch, InvalidRequest, RangeNotSatisfiable
 from app.index import Index, PartRecord
-from app.keystate import KeyLocks
 from app.storage import BlockStore
 from app.storage.base import BodyChecker, Staged
 from connector.protocol import BlockKey, InvalidKey, parse_block_key

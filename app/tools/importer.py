@@ -24,11 +24,11 @@ import anyio.to_thread
 import typer
 
 from app.config import FsBackend, Settings
+from app.core.keystate import MetaCache
+from app.core.service import BlockService
 from app.errors import KVGateError
 from app.index import Index, make_engine
 from app.index.migrate import upgrade_head
-from app.keystate import MetaCache
-from app.service import BlockService
 from app.storage import build_store
 from connector.protocol import InvalidKey, parse_block_key, parse_config_key
 

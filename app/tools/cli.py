@@ -7,11 +7,11 @@ from typing import Annotated, Any
 
 import typer
 
-from app.admin_cli import register as register_admin_commands
-from app.bench import bench_command
-from app.events_cli import events_command
-from app.importer import import_command
 from app.settings_help import error_lines, help_epilog, is_settings_error, markdown_table
+from app.tools.admin_cli import register as register_admin_commands
+from app.tools.bench import bench_command
+from app.tools.events_cli import events_command
+from app.tools.importer import import_command
 
 EXIT_CODES = (
     "Exit codes: 0 done; 1 the command ran and something failed (an HTTP error from the gateway, blocks that "
@@ -54,13 +54,13 @@ def serve(
     """Run the gateway (uvicorn with uvloop and httptools); HTTPS with --tls-certfile (reloaded on SIGHUP or change)."""
     import uvicorn
 
-    from app.auth import check_bind
+    from app.api.auth import check_bind
+    from app.api.http_body import zero_copy_body
+    from app.api.limits import bounded_httptools
+    from app.api.tls import CertReloader, bind_warnings, server_context, with_peer_cert
+    from app.api.tls import serve as serve_with_reload
     from app.config import Settings
-    from app.http_body import zero_copy_body
-    from app.limits import bounded_httptools
     from app.main import create_app
-    from app.tls import CertReloader, bind_warnings, server_context, with_peer_cert
-    from app.tls import serve as serve_with_reload
 
     overrides: dict[str, Any] = {"host": host, "port": port, "data_dir": data_dir, "db_url": db_url}
     overrides |= {
@@ -116,7 +116,7 @@ def token_hash(
     """Print the sha256 of a token, as the tokens settings store it."""
     import sys
 
-    from app.auth import hash_token
+    from app.api.auth import hash_token
 
     text = token if token is not None else sys.stdin.readline().strip()
     if not text:
@@ -134,7 +134,7 @@ def token_new(
     import json
     import secrets
 
-    from app.auth import hash_token
+    from app.api.auth import hash_token
     from app.config import TokenSpec
 
     token = secrets.token_urlsafe(32)

@@ -12,7 +12,7 @@ in the request scope.
   OpenSSL keeps one certificate per key type, so a new type would be served next to the old one.
 - :func:`with_peer_cert` (a uvicorn httptools protocol subclass, built for uvicorn 0.55) puts the verified client
   certificate into ``scope["extensions"]["tls"]``, in the shape of the ASGI TLS extension, plus the parsed form
-  (``peercert``) that :mod:`app.cert_identity` maps to a principal. uvicorn itself puts no TLS data in the scope.
+  (``peercert``) that :mod:`app.api.cert_identity` maps to a principal. uvicorn itself puts no TLS data in the scope.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import ssl
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from app.cert_identity import subject_name
+from app.api.cert_identity import subject_name
 from app.config import Settings
 
 if TYPE_CHECKING:
@@ -203,7 +203,7 @@ def serve(config: uvicorn.Config, *, reloader: CertReloader | None) -> bool:
 def bind_warnings(settings: Settings) -> list[str]:
     """The start-up rule on transport security: a non-loopback bind without TLS is warned about, or refused
     (ValueError) with ``require_tls``; certificate principals without client certificates are warned about."""
-    from app.auth import is_loopback, load_tokens
+    from app.api.auth import is_loopback, load_tokens
 
     warnings = []
     if settings.tls_client_ca is None and any(s.cert_subject or s.cert_san for s in load_tokens(settings)):

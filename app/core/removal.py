@@ -1,7 +1,7 @@
 """Removal, adoption and repair of keys: the half of BlockService that takes versions away or re-reads them.
 
 Each method changes a key under its lock (``BlockService._changing``), row first, then data; the usage figures
-move by the exact rows removed or recorded. Kept apart from app/service.py only for size: it is BlockService.
+move by the exact rows removed or recorded. Kept apart from app/core/service.py only for size: it is BlockService.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
+from app.core.events import EventSink
+from app.core.keystate import BlockMeta, MetaCache
+from app.core.parts import PartAssembler
 from app.errors import BlockNotFound, InvalidRequest, KVGateError, NamespaceNotFound
-from app.events import EventSink
 from app.index import BlockRecord, Candidate, Index
-from app.keystate import BlockMeta, MetaCache
-from app.parts import PartAssembler
 from app.storage import BlockStore
 from connector.protocol import BlockKey, InvalidKey, config_path, parse_block_key, parse_namespace
 
@@ -190,39 +190,41 @@ class Removal:
         self._usage(key.namespace, 0 if old else 1, stored.size - (old.size if old else 0))
         return BlockMeta(key=key.path, size=stored.size, digest=stored.digest, stamp=stored.stamp)
 
-    async def repair(self, key: BlockKey) -> None:
+    async def repair(self, key: BlockKey) -> bool:
         """A reader found no stored version its row names, with no change of the key in flight. On a filesystem
         the file is re-read: the row's bytes under another stamp (copied, touched) keep the row with the new stamp;
         other bytes are corruption or a change behind the gateway's back, and row and file go (a miss, never data
-        the row does not vouch for). On S3 a row whose version object is gone is dropped."""
+        the row does not vouch for). On S3 a row whose version object is gone is dropped. True if the row stands."""
         async with self._changing(key.path):
             record = await self.index.get(key.path)
             if record is None:
-                return
+                return True
             if not self._versioned:
-                await self._verify_locked(record)
-                return
+                return await self._verify_locked(record)
             try:
                 reader = await self.store.open(key.path, stamp=record.stamp)
             except BlockNotFound:
                 if await self._remove_locked(key.path, expect=_version_of(record)) is not None:
                     log.warning("repair: version object gone key=%s stamp=%s, row dropped", key.path, record.stamp)
-                return
+                return False
             await reader.aclose()
+            return True
 
-    async def _verify_locked(self, record: BlockRecord) -> None:
+    async def _verify_locked(self, record: BlockRecord) -> bool:
+        """True if the row stands (re-stamped if its bytes are there under another stamp)."""
         expect = _version_of(record)
         try:
             stored = await self.store.digest(record.key)
         except BlockNotFound:
             if await self._remove_locked(record.key, expect=expect) is not None:
                 log.warning("repair: no data for key=%s, row dropped", record.key)
-            return
+            return False
         if (stored.size, stored.digest) == (record.size, record.digest):
             await self.index.adopt_many([dataclasses.replace(record, stamp=stored.stamp)])
-            return
+            return True
         log.error("corrupt block key=%s: stored sha256 %s, row %s; removed", record.key, stored.digest, record.digest)
         await self._remove_locked(record.key, expect=expect)
+        return False
 
     async def adopt_records(self, records: Iterable[BlockRecord]) -> None:
         """Record versions reconcile found and hashed (before the gateway serves, or from ``kvgate gc``)."""

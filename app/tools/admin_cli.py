@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from app.tls_client import CaCert, ClientCert, ClientKey, ClientTLS
+from app.tools.tls_client import CaCert, ClientCert, ClientKey, ClientTLS
 
 DEFAULT_URL = "http://127.0.0.1:8750"
 Url = Annotated[str, typer.Option("--url", envvar="KVGATE_URL", help="the gateway [env KVGATE_URL]")]
@@ -154,11 +154,11 @@ async def _gc(
     data_dir: Path | None, db_url: str | None, temp_older_than_s: float, stale_parts_s: float, progress: Progress
 ) -> Any:
     from app.config import Settings
+    from app.core.keystate import MetaCache
+    from app.core.reconcile import reconcile
+    from app.core.service import BlockService
     from app.index import Index, make_engine
     from app.index.migrate import upgrade_head
-    from app.keystate import MetaCache
-    from app.reconcile import reconcile
-    from app.service import BlockService
     from app.storage import build_store
 
     overrides: dict[str, Any] = {"data_dir": data_dir, "db_url": db_url}
@@ -213,7 +213,8 @@ def gc(
     for what, value in (
         ("rows dropped (no data)", report.rows_dropped),
         ("blocks adopted (no row)", report.adopted),
-        ("rows re-read (size changed)", report.resized),
+        ("rows in doubt (another version on disk)", report.resized),
+        ("corrupt blocks removed", report.corrupt_removed),
         ("configs adopted", report.configs_adopted),
         ("temp files removed", report.temp_removed),
         ("stale uploads dropped (parts)", report.stale_uploads_dropped),

@@ -8,8 +8,8 @@ from typing import Annotated
 
 import typer
 
-from app.admin_cli import DEFAULT_URL, Token, Url
-from app.tls_client import CaCert, ClientCert, ClientKey, ClientTLS
+from app.tools.admin_cli import DEFAULT_URL, Token, Url
+from app.tools.tls_client import CaCert, ClientCert, ClientKey, ClientTLS
 
 
 def sse_messages(lines: Iterator[str]) -> Iterator[tuple[str, str]]:

@@ -1,0 +1,1 @@
+"""The service layer: BlockService and its policies (removal, capacity, reconcile, parts, reads, events)."""

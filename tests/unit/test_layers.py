@@ -1,0 +1,82 @@
+"""The package layering the README's Architecture section draws, checked on every module's imports (ast, no import)."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> Iterator[str]:
+    """Every module ``path`` imports, absolute, including lazy imports inside functions."""
+    package = _module(path) if path.name == "__init__.py" else _module(path).rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            yield base
+            yield from (f"{base}.{alias.name}" for alias in node.names)
+
+
+def _graph() -> dict[str, set[str]]:
+    return {_module(p): set(_imports(p)) for top in ("app", "connector") for p in sorted((REPO / top).rglob("*.py"))}
+
+
+GRAPH = _graph()
+
+
+def _under(name: str, *packages: str) -> bool:
+    return any(name == p or name.startswith(f"{p}.") for p in packages)
+
+
+def _violations(sources: tuple[str, ...], forbidden: tuple[str, ...]) -> list[tuple[str, str]]:
+    return sorted(
+        (mod, imp)
+        for mod, imports in GRAPH.items()
+        if _under(mod, *sources)
+        for imp in imports
+        if _under(imp, *forbidden)
+    )
+
+
+def test_the_graph_is_read() -> None:
+    assert "app.core.service" in GRAPH and "app.api.blocks" in GRAPH and "connector.vllm" in GRAPH
+    assert "app.core.service" in GRAPH["app.api.blocks"]
+
+
+@pytest.mark.parametrize(
+    ("sources", "forbidden"),
+    [
+        (("app.core", "app.storage", "app.index", "app.config", "app.errors"), ("app.api", "app.main")),
+        (("app.storage", "app.index", "app.config", "app.errors"), ("app.core",)),
+        (("app.api", "app.core", "app.storage", "app.index", "app.config", "app.errors", "app.main"), ("app.tools",)),
+        (("connector",), ("app",)),
+    ],
+)
+def test_lower_layers_do_not_import_higher_ones(sources: tuple[str, ...], forbidden: tuple[str, ...]) -> None:
+    assert _violations(sources, forbidden) == []
+
+
+def test_app_uses_only_the_key_contract_of_the_connector() -> None:
+    used = {imp for mod, imports in GRAPH.items() if _under(mod, "app") for imp in imports if _under(imp, "connector")}
+    assert {imp for imp in used if not _under(imp, "connector.protocol")} == set()
+
+
+def test_only_the_vllm_modules_import_vllm() -> None:
+    importers = {mod for mod, imports in GRAPH.items() for imp in imports if _under(imp, "vllm")}
+    assert importers == {"connector.vllm", "connector.vllm_layout", "connector.vllm_tier"}

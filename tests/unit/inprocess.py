@@ -20,10 +20,10 @@ import httpx
 from fastapi import FastAPI
 
 from app.config import FsBackend, MemoryBackend, Settings
-from app.eviction import Capacity
+from app.core.eviction import Capacity
+from app.core.service import BlockService
 from app.index.migrate import upgrade_head
 from app.main import create_app
-from app.service import BlockService
 
 
 @dataclass

@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.parts import PARTS_PREFIX
+from app.core.parts import PARTS_PREFIX
 from connector.protocol import PART_DIGEST_HEADER
 from tests.conftest import key_for, random_bytes, sha
 from tests.unit.inprocess import Gateway, running, settings_for

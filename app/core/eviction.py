@@ -111,11 +111,14 @@ class Capacity:
 
     # -- the hook --------------------------------------------------------------------------------------------
 
-    async def admit(self, *, namespace: str, size: int, replacing: int) -> None:
-        if self.max_bytes is not None and size > self.max_bytes:
-            raise InsufficientStorage(f"a {size}-byte block can never fit in max_bytes={self.max_bytes}")
-        if self.quota is not None and size > self.quota:
-            raise InsufficientStorage(f"a {size}-byte block can never fit in the namespace quota {self.quota}")
+    async def admit(self, *, namespace: str, size: int, replacing: int, whole: int | None = None) -> None:
+        """Reserve room for ``size`` bytes (evicting if need be); ``whole``: the object a part of it belongs to,
+        refused at its first part if it can never fit."""
+        block = max(size, whole or 0)
+        if self.max_bytes is not None and block > self.max_bytes:
+            raise InsufficientStorage(f"a {block}-byte block can never fit in max_bytes={self.max_bytes}")
+        if self.quota is not None and block > self.quota:
+            raise InsufficientStorage(f"a {block}-byte block can never fit in the namespace quota {self.quota}")
         if self.max_bytes is not None:
             room = self.max_bytes - self.reserved - size + replacing
             if self.usage.bytes > room:

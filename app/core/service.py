@@ -77,7 +77,7 @@ class Counters:
 class CapacityHook(Protocol):
     """Capacity (app/core/eviction.py): admission of writes, and the usage figures every change of a key updates."""
 
-    async def admit(self, *, namespace: str, size: int, replacing: int) -> None:
+    async def admit(self, *, namespace: str, size: int, replacing: int, whole: int | None = None) -> None:
         """Reserve room for ``size`` bytes (replacing ``replacing``), evicting if need be, or raise 507."""
 
     def release(self, *, namespace: str, size: int) -> None:
@@ -178,10 +178,10 @@ class BlockService(Removal):
                 f"namespace {key.namespace!r} records blocks of {expected} bytes (block_bytes); this one has {size}"
             )
 
-    async def _admit(self, namespace: str, size: int, replacing: int) -> bool:
+    async def _admit(self, namespace: str, size: int, replacing: int, whole: int | None = None) -> bool:
         if self.capacity is None:
             return False
-        await self.capacity.admit(namespace=namespace, size=size, replacing=replacing)
+        await self.capacity.admit(namespace=namespace, size=size, replacing=replacing, whole=whole)
         return True
 
     # -- writes -----------------------------------------------------------------------------------------------
@@ -275,7 +275,7 @@ class BlockService(Removal):
         await self._check_layout(key, span.total)
         if create_only and await self._row(key.path) is not None:
             raise PreconditionFailed(f"{key.path!r} is present (If-None-Match: *)")
-        admitted = await self._admit(key.namespace, span.size, 0)
+        admitted = await self._admit(key.namespace, span.size, 0, whole=span.total)
         try:
             return await self.parts.put_part(key, body, span=span, part_digest=part_digest)
         finally:

@@ -7,8 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from tests.capacity.helpers import block_files, index_rows
 from tests.conftest import key_for, random_bytes, sha
 from tests.unit.inprocess import Gateway, running, settings_for
@@ -75,11 +73,6 @@ async def test_object_too_large_for_capacity_refuses_its_last_part(tmp_path: Pat
         assert gw.capacity.usage.bytes <= 4 * BLOCK
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a part is admitted by its own size, not the object's total: the first part of an object that can never "
-    "fit is stored (202) and holds capacity until gc, where a whole PUT of it is 507 at once",
-)
 async def test_part_of_object_too_large_for_capacity_is_507_at_once(tmp_path: Path) -> None:
     total = 4 * BLOCK + 1
     async with running(settings_for(tmp_path, max_bytes=4 * BLOCK)) as gw:

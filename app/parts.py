@@ -184,18 +184,16 @@ class PartAssembler:
 
     async def _concat(self, parts: list[PartRecord]) -> AsyncIterator[bytes]:
         for part in parts:
-            reader = await self.store.open(part.store_key)
             checker = BodyChecker(size=part.end - part.start, expected_digest=part.digest)
-            try:
-                async for chunk in reader.chunks(start=0, end=reader.size):
-                    checker.update(chunk)
-                    yield chunk
-                checker.finish()
-            except DigestMismatch as exc:
-                log.error("stored part is corrupt key=%s start=%d: %s", part.key, part.start, exc)
-                raise Conflict(f"stored part at byte {part.start} is corrupt; re-send it") from exc
-            finally:
-                await reader.aclose()
+            async with await self.store.open(part.store_key) as reader:
+                try:
+                    async for chunk in reader.chunks(start=0, end=reader.size):
+                        checker.update(chunk)
+                        yield chunk
+                    checker.finish()
+                except DigestMismatch as exc:
+                    log.error("stored part is corrupt key=%s start=%d: %s", part.key, part.start, exc)
+                    raise Conflict(f"stored part at byte {part.start} is corrupt; re-send it") from exc
 
     async def drop(self, path: str, parts: list[PartRecord] | None = None) -> int:
         """Forget the parts of ``path`` (rows, then data); how many rows there were."""

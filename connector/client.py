@@ -22,22 +22,27 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import email.utils
 import hashlib
 import json
 import logging
 import random
-import ssl
 import threading
 import time
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import aiohttp
 
 from connector import wire
+from connector.budget import ByteBudget
+from connector.client_tls import client_ssl_context, tls_failure
+from connector.errors import ConnectorError as ConnectorError
+from connector.errors import GatewayRejected as GatewayRejected
+from connector.errors import GatewayTLSError as GatewayTLSError
+from connector.errors import GatewayUnavailable as GatewayUnavailable
 from connector.wire import DIGEST_HEADER, PART_DIGEST_HEADER, RANGE_DIGEST_HEADER
+from connector.wire import retry_after_s as retry_after_s
 
 log = logging.getLogger("kvgate.connector.client")
 T = TypeVar("T")
@@ -45,28 +50,6 @@ Buffer = bytes | bytearray | memoryview
 
 _HASH_IN_THREAD_BYTES = 256 * 1024
 """Bodies above this are hashed in a worker thread (hashlib releases the GIL), off the event loop."""
-
-
-class ConnectorError(Exception):
-    """Base of the connector's errors."""
-
-
-class GatewayUnavailable(ConnectorError):
-    """The gateway cannot be reached, or answered 502/503/504 after the retries: an outage, not a miss."""
-
-
-class GatewayTLSError(ConnectorError):
-    """TLS failed: a certificate file that does not load, a server certificate this client does not trust, or a
-    client certificate the gateway refused. Configuration, not an outage: never retried."""
-
-
-class GatewayRejected(ConnectorError):
-    """The gateway refused the request (4xx other than 404, or a 5xx that is not an outage): a bug or a conflict,
-    not worth a retry."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(f"{status}: {message}")
-        self.status = status
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,61 +104,9 @@ def sha256_hex(data: Buffer) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def client_ssl_context(config: ClientConfig) -> ssl.SSLContext | bool:
-    """The SSLContext for https URLs: the CA bundle (or the system's), and the client certificate if one is set.
-
-    True (aiohttp's default verification) when nothing is configured; GatewayTLSError when a file does not load.
-    """
-    if config.ca_file is None and config.cert_file is None:
-        if config.key_file is not None:
-            raise GatewayTLSError("key_file needs cert_file")
-        return True
-    try:
-        ctx = ssl.create_default_context(cafile=config.ca_file)
-        if config.cert_file is not None:
-            ctx.load_cert_chain(config.cert_file, config.key_file)
-    except (OSError, ssl.SSLError) as exc:
-        files = ", ".join(f for f in (config.ca_file, config.cert_file, config.key_file) if f)
-        raise GatewayTLSError(f"cannot load the TLS files ({files}): {exc}") from exc
-    return ctx
-
-
-def tls_failure(exc: BaseException) -> str | None:
-    """What went wrong in TLS, when ``exc`` (or an error it wraps) is a TLS failure; None for anything else."""
-    seen: BaseException | None = exc
-    for _ in range(6):
-        if seen is None:
-            return None
-        if isinstance(seen, aiohttp.ClientConnectorCertificateError):
-            return f"the gateway's certificate is not trusted: {seen.certificate_error}"
-        if isinstance(seen, aiohttp.ClientSSLError):  # before ssl.SSLError: some of them are both
-            return str(seen)
-        if isinstance(seen, ssl.SSLError):
-            return str(getattr(seen, "reason", None) or seen)
-        nxt = getattr(seen, "os_error", None)
-        seen = nxt if isinstance(nxt, BaseException) and nxt is not seen else (seen.__cause__ or seen.__context__)
-    return None
-
-
 RETRY_STATUSES = frozenset({502, 503, 504})
 """Answers that may pass (a proxy without an upstream, a gateway shedding load, a timeout on the way)."""
 FULL_STATUS = 507
-
-
-def retry_after_s(value: str | None, *, now: float | None = None) -> float | None:
-    """Seconds a ``Retry-After`` header asks for (delta-seconds or an HTTP-date); None when absent or malformed."""
-    if value is None:
-        return None
-    value = value.strip()
-    if value.isdigit():
-        return float(value)
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    if when.tzinfo is None:
-        return None
-    return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 
 class BlockClient:
@@ -184,11 +115,9 @@ class BlockClient:
     def __init__(self, config: ClientConfig) -> None:
         self.config = config
         self.stats = ClientStats()
-        self._inflight = 0
-        self._inflight_lock = threading.Lock()
-        self._budget_waiters: list[asyncio.Future[None]] = []
         self._down_until = 0.0
         self._loop = asyncio.new_event_loop()
+        self.budget = ByteBudget(limit=config.max_inflight_bytes, loop=self._loop)
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvgate-client", daemon=True)
         self._thread.start()
         try:
@@ -203,7 +132,8 @@ class BlockClient:
 
     async def _open(self) -> aiohttp.ClientSession:
         cfg = self.config
-        connector = aiohttp.TCPConnector(limit=cfg.max_connections, ttl_dns_cache=300, ssl=client_ssl_context(cfg))
+        tls = client_ssl_context(ca_file=cfg.ca_file, cert_file=cfg.cert_file, key_file=cfg.key_file)
+        connector = aiohttp.TCPConnector(limit=cfg.max_connections, ttl_dns_cache=300, ssl=tls)
         timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s)
         return aiohttp.ClientSession(
             base_url=cfg.base_url, connector=connector, timeout=timeout, raise_for_status=False
@@ -246,51 +176,22 @@ class BlockClient:
 
     def reserve(self, nbytes: int) -> bool:
         """Take ``nbytes`` of the in-flight budget; False (and a dropped store counted) when it does not fit."""
-        with self._inflight_lock:
-            if self._inflight + nbytes > self.config.max_inflight_bytes:
-                self.stats.dropped_stores += 1
-                return False
-            self._inflight += nbytes
+        if self.budget.reserve(nbytes):
             return True
+        self.stats.dropped_stores += 1
+        return False
 
     def release(self, nbytes: int) -> None:
         """Give back ``nbytes`` (from any thread); transfers waiting in ``hold`` try again."""
-        with self._inflight_lock:
-            self._inflight -= nbytes
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
-            self._loop.call_soon_threadsafe(self._wake_budget_waiters)
+        self.budget.release(nbytes)
 
-    def _wake_budget_waiters(self) -> None:
-        waiters, self._budget_waiters = self._budget_waiters, []
-        for fut in waiters:
-            if not fut.done():
-                fut.set_result(None)
-
-    def _take(self, nbytes: int) -> bool:
-        """Take ``nbytes`` if they fit, or if nothing is in flight (a transfer larger than the budget runs alone)."""
-        with self._inflight_lock:
-            if self._inflight != 0 and self._inflight + nbytes > self.config.max_inflight_bytes:
-                return False
-            self._inflight += nbytes
-            return True
-
-    @contextlib.asynccontextmanager
-    async def hold(self, nbytes: int, *, timeout_s: float) -> AsyncIterator[None]:
+    def hold(self, nbytes: int, *, timeout_s: float) -> contextlib.AbstractAsyncContextManager[None]:
         """On the loop: wait (at most ``timeout_s``, then TimeoutError) for ``nbytes`` of the budget; hold them."""
-        async with asyncio.timeout(timeout_s):
-            while not self._take(nbytes):
-                # no await between the failed take and the append: a release's wake-up runs after it, on the loop
-                fut = self._loop.create_future()
-                self._budget_waiters.append(fut)
-                await fut
-        try:
-            yield
-        finally:
-            self.release(nbytes)
+        return self.budget.hold(nbytes, timeout_s=timeout_s)
 
     @property
     def inflight_bytes(self) -> int:
-        return self._inflight
+        return self.budget.used
 
     # -- the circuit -----------------------------------------------------------------------------------------
 
@@ -336,7 +237,7 @@ class BlockClient:
                     body = await resp.read() if method != "HEAD" else b""
                     if resp.status in RETRY_STATUSES:
                         last = f"{resp.status} {body[:200]!r}"
-                        asked = retry_after_s(resp.headers.get("Retry-After"))
+                        asked = wire.retry_after_s(resp.headers.get("Retry-After"))
                         if asked is not None:
                             wait = min(asked, self.config.max_retry_after_s)
                         continue

@@ -9,7 +9,9 @@ Malformed values raise ``MalformedHeader``; a well-formed range that selects not
 
 from __future__ import annotations
 
+import email.utils
 import re
+import time
 from dataclasses import dataclass
 
 __all__ = [
@@ -26,6 +28,7 @@ __all__ = [
     "parse_digest",
     "parse_range",
     "quote_etag",
+    "retry_after_s",
     "unquote_etag",
     "unsatisfied_content_range",
 ]
@@ -162,3 +165,22 @@ def parse_digest(value: str | None, *, header: str = DIGEST_HEADER) -> str | Non
     if not _HEX64.fullmatch(value):
         raise MalformedHeader(f"{header} must be 64 hex characters (sha256)")
     return value.lower()
+
+
+# -- Retry-After (a 429's or 503's response header) --------------------------------------------------------------------
+
+
+def retry_after_s(value: str | None, *, now: float | None = None) -> float | None:
+    """Seconds a ``Retry-After`` header asks for (delta-seconds or an HTTP-date); None when absent or malformed."""
+    if value is None:
+        return None
+    value = value.strip()
+    if value.isascii() and value.isdigit():  # '²'.isdigit() too, and float() refuses it
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        return None
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))

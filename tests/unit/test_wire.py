@@ -201,6 +201,15 @@ def test_formatting_refuses_empty_or_inverted_spans(a: int, b: int) -> None:
         wire.format_content_range(start=end, end=start + 2, total=start + 1)
 
 
+@relaxed
+@given(st.integers(min_value=0, max_value=10**9), st.sampled_from(["", "-", "+", "s", ".5", "\u00b2", "\u0663"]))
+def test_retry_after_seconds_and_malformed_forms(seconds: int, junk: str) -> None:
+    assert wire.retry_after_s(f" {seconds} ") == float(seconds)
+    if junk:
+        assert wire.retry_after_s(f"{seconds}{junk}") is None  # malformed: no wait asked, never an exception
+        assert wire.retry_after_s(junk) is None
+
+
 def test_unsatisfied_content_range() -> None:
     assert wire.unsatisfied_content_range(1234) == "bytes */1234"
 

@@ -62,7 +62,7 @@ class ClientConfig:
     max_inflight_bytes: int = 1 << 30
     retries: int = 3
     backoff_s: float = 0.05
-    """The first retry's delay; it doubles per attempt, each wait drawn uniformly from [delay/2, delay]."""
+    """The first retry's delay; it doubles per attempt, each wait drawn from [delay, 1.5 delay] (never shorter)."""
     max_retry_after_s: float = 2.0
     """The longest wait a ``Retry-After`` may ask for: longer asks wait this long (a hook must not stall)."""
     down_cooldown_s: float = 1.0
@@ -229,7 +229,7 @@ class BlockClient:
         for attempt in range(self.config.retries + 1):
             if attempt:
                 self.stats.retries += 1
-                await asyncio.sleep(random.uniform(delay / 2, delay) if wait is None else wait)
+                await asyncio.sleep(random.uniform(delay, 1.5 * delay) if wait is None else wait)
                 delay *= 2
             wait = None
             try:

@@ -15,15 +15,13 @@ from fastapi import FastAPI
 
 from app import __version__
 from app.api import admin, auth, blocks, docs, errors, events, health, limits, lookup, metrics, namespaces
+from app.backends import Backends, open_backends
 from app.config import Settings
 from app.core.events import EventBus
 from app.core.eviction import Capacity
 from app.core.keystate import MetaCache
 from app.core.reconcile import reconcile
 from app.core.service import BlockService
-from app.index import Index, make_engine
-from app.index.migrate import upgrade_head
-from app.storage import build_store
 
 if TYPE_CHECKING:
     from app.core.events_zmq import ZmqPublisher
@@ -41,46 +39,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        cfg.data_dir.mkdir(parents=True, exist_ok=True)
-        store = build_store(cfg.backend, settings=cfg)
-        await store.start()
-        await upgrade_head(cfg.resolved_db_url)
-        index = Index(
-            make_engine(
-                cfg.resolved_db_url,
-                sqlite_synchronous=cfg.sqlite_synchronous,
-                busy_timeout_s=cfg.sqlite_busy_timeout_s,
-            ),
-            flush_interval_s=cfg.access_flush_interval_s,
-        )
-        await index.start()
-        svc = BlockService(
-            store=store, index=index, cache=MetaCache(entries=cfg.meta_cache_entries, ttl_s=cfg.meta_cache_ttl_s)
-        )
-        bus, publisher = await _start_events(cfg)
-        if bus is not None:
-            svc.events = bus
-        app.state.events = bus
-        if cfg.reconcile_on_start:
-            await reconcile(service=svc, concurrency=cfg.reconcile_concurrency)
-        capacity = Capacity(service=svc, settings=cfg)
-        await capacity.start()
-        svc.capacity = capacity
-        app.state.service = svc
-        app.state.capacity = capacity
-        app.state.started_at = time.monotonic()
-        log.info("kvgate ready backend=%s index=%s", cfg.backend.kind, cfg.resolved_db_url.split("://")[0])
-        try:
+        async with open_backends(cfg) as backends, _serving(app, cfg=cfg, backends=backends):
             yield
-        finally:
-            await capacity.close()
-            await svc.close()
-            if bus is not None:
-                await bus.close()
-            if publisher is not None:
-                await publisher.close()
-            await index.close()
-            await store.close()
 
     app = FastAPI(
         title="kvgate",
@@ -100,6 +60,38 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     if cfg.metrics_enabled:
         metrics.install(app)
     return app
+
+
+@contextlib.asynccontextmanager
+async def _serving(app: FastAPI, *, cfg: Settings, backends: Backends) -> AsyncIterator[None]:
+    """The service over the opened backends, with events, reconcile and capacity; closed in reverse."""
+    svc = BlockService(
+        store=backends.store,
+        index=backends.index,
+        cache=MetaCache(entries=cfg.meta_cache_entries, ttl_s=cfg.meta_cache_ttl_s),
+    )
+    bus, publisher = await _start_events(cfg)
+    if bus is not None:
+        svc.events = bus
+    app.state.events = bus
+    if cfg.reconcile_on_start:
+        await reconcile(service=svc, concurrency=cfg.reconcile_concurrency)
+    capacity = Capacity(service=svc, settings=cfg)
+    await capacity.start()
+    svc.capacity = capacity
+    app.state.service = svc
+    app.state.capacity = capacity
+    app.state.started_at = time.monotonic()
+    log.info("kvgate ready backend=%s index=%s", cfg.backend.kind, cfg.resolved_db_url.split("://")[0])
+    try:
+        yield
+    finally:
+        await capacity.close()
+        await svc.close()
+        if bus is not None:
+            await bus.close()
+        if publisher is not None:
+            await publisher.close()
 
 
 async def _start_events(cfg: Settings) -> tuple[EventBus | None, ZmqPublisher | None]:

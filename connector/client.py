@@ -5,10 +5,14 @@ Sync callers ``submit(coro)`` and get a ``concurrent.futures.Future``; the corou
 (benchmarks/http_clients.py) it is 3-5x faster than httpx.AsyncClient on 2 MiB GETs and 4-12x on HEAD, and on par
 for PUT.
 
-- Bounded: a connection pool (``max_connections``), per-call timeouts, and a budget of bytes in flight that a store
-  must ``reserve`` before it is queued; a store that does not fit is dropped and counted, never waited for.
-- Retries with exponential backoff on 5xx and connection errors; after a connection failure the gateway is
-  considered down for ``down_cooldown_s`` and calls fail at once (GatewayUnavailable) instead of waiting.
+- Bounded: a connection pool (``max_connections``), per-call timeouts, and ONE budget of bytes in flight shared by
+  every way into vLLM: the connector's stores ``reserve`` (a store that does not fit is dropped and counted, never
+  waited for); the tier's transfers wait for room with ``hold``.
+- Retries only what may pass: connection errors, timeouts and 502/503/504, with jittered exponential backoff, and
+  after a ``Retry-After`` when the gateway sends one (capped at ``max_retry_after_s``). Any other status is answered
+  at once. 507 is "gateway full": a store is dropped and counted (``stats.full_stores``), not an outage.
+- ONE circuit breaker: when a call fails for want of the gateway (GatewayUnavailable) the gateway is considered
+  down for ``down_cooldown_s`` and calls fail at once instead of waiting; a full store never opens it.
 - Integrity: a PUT carries the sha256 of its body; a GET of a whole object is verified against the ETag. A digest
   mismatch or a short read is a miss (None) plus a logged error, never data handed to the engine.
 """
@@ -17,10 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import hashlib
 import json
 import logging
-import ssl
+import random
 import threading
 import time
 from collections.abc import Coroutine, Sequence
@@ -29,8 +34,15 @@ from typing import Any, TypeVar
 
 import aiohttp
 
-from connector import layout
-from connector.protocol import DIGEST_HEADER, PART_DIGEST_HEADER, RANGE_DIGEST_HEADER
+from connector import wire
+from connector.budget import ByteBudget
+from connector.client_tls import client_ssl_context, tls_failure
+from connector.errors import ConnectorError as ConnectorError
+from connector.errors import GatewayRejected as GatewayRejected
+from connector.errors import GatewayTLSError as GatewayTLSError
+from connector.errors import GatewayUnavailable as GatewayUnavailable
+from connector.wire import DIGEST_HEADER, PART_DIGEST_HEADER, RANGE_DIGEST_HEADER
+from connector.wire import retry_after_s as retry_after_s
 
 log = logging.getLogger("kvgate.connector.client")
 T = TypeVar("T")
@@ -38,27 +50,6 @@ Buffer = bytes | bytearray | memoryview
 
 _HASH_IN_THREAD_BYTES = 256 * 1024
 """Bodies above this are hashed in a worker thread (hashlib releases the GIL), off the event loop."""
-
-
-class ConnectorError(Exception):
-    """Base of the connector's errors."""
-
-
-class GatewayUnavailable(ConnectorError):
-    """The gateway cannot be reached, or answered 5xx after the retries: an outage, not a miss."""
-
-
-class GatewayTLSError(ConnectorError):
-    """TLS failed: a certificate file that does not load, a server certificate this client does not trust, or a
-    client certificate the gateway refused. Configuration, not an outage: never retried."""
-
-
-class GatewayRejected(ConnectorError):
-    """The gateway refused the request (4xx other than 404): a bug or a conflict, not worth a retry."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(f"{status}: {message}")
-        self.status = status
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +62,9 @@ class ClientConfig:
     max_inflight_bytes: int = 1 << 30
     retries: int = 3
     backoff_s: float = 0.05
+    """The first retry's delay; it doubles per attempt, each wait drawn from [delay, 1.5 delay] (never shorter)."""
+    max_retry_after_s: float = 2.0
+    """The longest wait a ``Retry-After`` may ask for: longer asks wait this long (a hook must not stall)."""
     down_cooldown_s: float = 1.0
     ca_file: str | None = None
     """PEM bundle of the CAs that sign the gateway's certificate (https URLs); None: the system's store."""
@@ -97,6 +91,9 @@ class ClientStats:
     get_bytes: int = 0
     misses: int = 0
     dropped_stores: int = 0
+    """Stores that did not fit the budget of bytes in flight."""
+    full_stores: int = 0
+    """Stores the gateway refused with 507 (its store is full): dropped, never retried, not an outage."""
     failed_stores: int = 0
     corrupt_reads: int = 0
     retries: int = 0
@@ -107,54 +104,9 @@ def sha256_hex(data: Buffer) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _strip_etag(value: str | None) -> str | None:
-    if value is None:
-        return None
-    value = value.strip()
-    if value.startswith("W/"):
-        return None
-    return value.strip('"').lower() or None
-
-
-def client_ssl_context(config: ClientConfig) -> ssl.SSLContext | bool:
-    """The SSLContext for https URLs: the CA bundle (or the system's), and the client certificate if one is set.
-
-    True (aiohttp's default verification) when nothing is configured; GatewayTLSError when a file does not load.
-    """
-    if config.ca_file is None and config.cert_file is None:
-        if config.key_file is not None:
-            raise GatewayTLSError("key_file needs cert_file")
-        return True
-    try:
-        ctx = ssl.create_default_context(cafile=config.ca_file)
-        if config.cert_file is not None:
-            ctx.load_cert_chain(config.cert_file, config.key_file)
-    except (OSError, ssl.SSLError) as exc:
-        files = ", ".join(f for f in (config.ca_file, config.cert_file, config.key_file) if f)
-        raise GatewayTLSError(f"cannot load the TLS files ({files}): {exc}") from exc
-    return ctx
-
-
-def tls_failure(exc: BaseException) -> str | None:
-    """What went wrong in TLS, when ``exc`` (or an error it wraps) is a TLS failure; None for anything else."""
-    seen: BaseException | None = exc
-    for _ in range(6):
-        if seen is None:
-            return None
-        if isinstance(seen, aiohttp.ClientConnectorCertificateError):
-            return f"the gateway's certificate is not trusted: {seen.certificate_error}"
-        if isinstance(seen, aiohttp.ClientSSLError):  # before ssl.SSLError: some of them are both
-            return str(seen)
-        if isinstance(seen, ssl.SSLError):
-            return str(getattr(seen, "reason", None) or seen)
-        nxt = getattr(seen, "os_error", None)
-        seen = nxt if isinstance(nxt, BaseException) and nxt is not seen else (seen.__cause__ or seen.__context__)
-    return None
-
-
-class _Retry(Exception):
-    def __init__(self, cause: str) -> None:
-        super().__init__(cause)
+RETRY_STATUSES = frozenset({502, 503, 504})
+"""Answers that may pass (a proxy without an upstream, a gateway shedding load, a timeout on the way)."""
+FULL_STATUS = 507
 
 
 class BlockClient:
@@ -163,10 +115,9 @@ class BlockClient:
     def __init__(self, config: ClientConfig) -> None:
         self.config = config
         self.stats = ClientStats()
-        self._inflight = 0
-        self._inflight_lock = threading.Lock()
         self._down_until = 0.0
         self._loop = asyncio.new_event_loop()
+        self.budget = ByteBudget(limit=config.max_inflight_bytes, loop=self._loop)
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvgate-client", daemon=True)
         self._thread.start()
         try:
@@ -181,7 +132,8 @@ class BlockClient:
 
     async def _open(self) -> aiohttp.ClientSession:
         cfg = self.config
-        connector = aiohttp.TCPConnector(limit=cfg.max_connections, ttl_dns_cache=300, ssl=client_ssl_context(cfg))
+        tls = client_ssl_context(ca_file=cfg.ca_file, cert_file=cfg.cert_file, key_file=cfg.key_file)
+        connector = aiohttp.TCPConnector(limit=cfg.max_connections, ttl_dns_cache=300, ssl=tls)
         timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s)
         return aiohttp.ClientSession(
             base_url=cfg.base_url, connector=connector, timeout=timeout, raise_for_status=False
@@ -224,29 +176,48 @@ class BlockClient:
 
     def reserve(self, nbytes: int) -> bool:
         """Take ``nbytes`` of the in-flight budget; False (and a dropped store counted) when it does not fit."""
-        with self._inflight_lock:
-            if self._inflight + nbytes > self.config.max_inflight_bytes:
-                self.stats.dropped_stores += 1
-                return False
-            self._inflight += nbytes
+        if self.budget.reserve(nbytes):
             return True
+        self.stats.dropped_stores += 1
+        return False
 
     def release(self, nbytes: int) -> None:
-        with self._inflight_lock:
-            self._inflight -= nbytes
+        """Give back ``nbytes`` (from any thread); transfers waiting in ``hold`` try again."""
+        self.budget.release(nbytes)
+
+    def hold(self, nbytes: int, *, timeout_s: float) -> contextlib.AbstractAsyncContextManager[None]:
+        """On the loop: wait (at most ``timeout_s``, then TimeoutError) for ``nbytes`` of the budget; hold them."""
+        return self.budget.hold(nbytes, timeout_s=timeout_s)
 
     @property
     def inflight_bytes(self) -> int:
-        return self._inflight
+        return self.budget.used
+
+    # -- the circuit -----------------------------------------------------------------------------------------
 
     @property
     def gateway_down(self) -> bool:
+        """The circuit is open: calls fail at once with GatewayUnavailable until the cool-down ends."""
         return time.monotonic() < self._down_until
+
+    def _open_circuit(self, why: str) -> None:
+        if not self.gateway_down:
+            log.warning(
+                "gateway %s unavailable (%s); circuit open for %.1fs",
+                self.config.base_url,
+                why,
+                self.config.down_cooldown_s,
+            )
+        self._down_until = time.monotonic() + self.config.down_cooldown_s
 
     # -- requests --------------------------------------------------------------------------------------------
 
     async def _request(self, method: str, path: str, *, timeout_s: float | None = None, **kw: Any) -> tuple[int, Any]:
-        """One request with retries; returns (status, (headers, body)). Raises GatewayUnavailable."""
+        """One request with retries; returns (status, (headers, body)).
+
+        Retried: connection errors, timeouts and 502/503/504; every other status is returned as it is. Raises
+        GatewayUnavailable (and opens the circuit) when the retries run out, or at once while the circuit is open.
+        """
         if self.gateway_down:
             raise GatewayUnavailable(f"gateway marked down for {self._down_until - time.monotonic():.2f}s more")
         # No per-call timeout: leave the argument out, so the session's timeouts apply (None would disable them).
@@ -254,18 +225,21 @@ class BlockClient:
             kw["timeout"] = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.config.connect_timeout_s)
         delay = self.config.backoff_s
         last = ""
-        refused = False
+        wait: float | None = None
         for attempt in range(self.config.retries + 1):
             if attempt:
                 self.stats.retries += 1
-                await asyncio.sleep(delay)
+                await asyncio.sleep(random.uniform(delay, 1.5 * delay) if wait is None else wait)
                 delay *= 2
-            refused = False
+            wait = None
             try:
                 async with self._session.request(method, path, **kw) as resp:
                     body = await resp.read() if method != "HEAD" else b""
-                    if resp.status >= 500:
+                    if resp.status in RETRY_STATUSES:
                         last = f"{resp.status} {body[:200]!r}"
+                        asked = wire.retry_after_s(resp.headers.get("Retry-After"))
+                        if asked is not None:
+                            wait = min(asked, self.config.max_retry_after_s)
                         continue
                     return resp.status, (resp.headers, body)
             except (aiohttp.ClientConnectionError, ConnectionError) as exc:
@@ -274,11 +248,9 @@ class BlockClient:
                     self._down_until = time.monotonic() + self.config.down_cooldown_s
                     raise GatewayTLSError(f"{method} {path[:120]}: TLS failed: {tls}") from exc
                 last = f"{type(exc).__name__}: {exc}"
-                refused = isinstance(exc, aiohttp.ClientConnectorError)
             except TimeoutError as exc:
                 last = f"timeout: {exc}"
-        if refused:  # nothing listening even after the retries: fail fast for a while instead of hammering it
-            self._down_until = time.monotonic() + self.config.down_cooldown_s
+        self._open_circuit(last[:200])  # not answering even after the retries: fail fast for a while
         raise GatewayUnavailable(f"{method} {path[:120]} failed: {last}")
 
     async def _check_tls(self) -> None:
@@ -323,7 +295,9 @@ class BlockClient:
     ) -> bool:
         """Store ``data`` under ``key`` (or the part ``[start, end)`` of ``total`` bytes); True once the gateway has it.
 
-        The sha256 is computed here, after the caller's copy fence, and sent for the gateway to verify.
+        False when the gateway is full (507): the store is dropped and counted in ``stats.full_stores``, the
+        gateway is not down. The sha256 is computed here, after the caller's copy fence, and sent for the gateway
+        to verify.
         """
         digest = await self._digest(data)
         headers = {"Content-Type": "application/octet-stream"}
@@ -331,13 +305,17 @@ class BlockClient:
             headers[DIGEST_HEADER] = digest
         else:
             start, end, total = content_range
-            headers["Content-Range"] = layout.content_range(start=start, end=end, total=total)
+            headers["Content-Range"] = wire.format_content_range(start=start, end=end, total=total)
             headers[PART_DIGEST_HEADER] = digest
         if create_only:
             headers["If-None-Match"] = "*"
         status, (_, body) = await self._request("PUT", f"/v1/blocks/{key}", data=data, headers=headers)
         if status == 412:
             return True
+        if status == FULL_STATUS:
+            self.stats.full_stores += 1
+            log.debug("gateway full: store dropped key=%s", key)
+            return False
         if status >= 300:
             raise GatewayRejected(status, body[:300].decode(errors="replace"))
         self.stats.puts += 1
@@ -354,7 +332,7 @@ class BlockClient:
         """
         headers = {}
         if byte_range is not None:
-            headers["Range"] = layout.range_header(start=byte_range[0], end=byte_range[1])
+            headers["Range"] = wire.format_range(start=byte_range[0], end=byte_range[1])
         status, (resp_headers, body) = await self._request("GET", f"/v1/blocks/{key}", headers=headers)
         if status == 404:
             self.stats.misses += 1
@@ -375,7 +353,7 @@ class BlockClient:
                 self._corrupt(key, f"range sha256 {actual} is not the gateway's {range_digest}")
                 return None
         elif byte_range is None or (byte_range[0] == 0 and whole):
-            expected = expected_digest or _strip_etag(resp_headers.get("ETag"))
+            expected = expected_digest or wire.unquote_etag(resp_headers.get("ETag"))
             if expected is not None:
                 actual = await self._digest(body)
                 if actual != expected:
@@ -410,7 +388,7 @@ class BlockClient:
 
         doc = json.loads(body)
         slots = [
-            LookupSlot(key=s["key"], present=s["present"], size=s.get("size"), digest=_strip_etag(s.get("etag")))
+            LookupSlot(key=s["key"], present=s["present"], size=s.get("size"), digest=wire.unquote_etag(s.get("etag")))
             for s in doc["blocks"]
         ]
         return int(doc["prefix"]), slots

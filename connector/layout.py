@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
+from connector import wire
 from connector.protocol import CANONICAL_FORMAT
 
 if TYPE_CHECKING:
@@ -125,23 +126,14 @@ def local_geometry(geometry: BlockGeometry, *, tp_size: int) -> BlockGeometry:
     )
 
 
-def _check_range(start: int, end: int) -> None:
-    if not 0 <= start < end:
-        raise ValueError(f"not a non-empty byte range: [{start}, {end})")
-
-
 def content_range(*, start: int, end: int, total: int) -> str:
-    """``Content-Range`` value for the half-open part ``[start, end)`` of a ``total``-byte object."""
-    _check_range(start, end)
-    if end > total:
-        raise ValueError(f"range end {end} past object size {total}")
-    return f"bytes {start}-{end - 1}/{total}"
+    """``Content-Range`` value for the half-open part ``[start, end)`` of a ``total``-byte object (connector.wire)."""
+    return wire.format_content_range(start=start, end=end, total=total)
 
 
 def range_header(*, start: int, end: int) -> str:
-    """``Range`` request value for the half-open byte range ``[start, end)``."""
-    _check_range(start, end)
-    return f"bytes={start}-{end - 1}"
+    """``Range`` request value for the half-open byte range ``[start, end)`` (connector.wire)."""
+    return wire.format_range(start=start, end=end)
 
 
 class KVLayout(StrEnum):

@@ -205,8 +205,10 @@ class WorkerPipeline:
                 self.stats.failed_blocks += 1
                 self.client.stats.failed_stores += 1
                 log.warning("store failed key=%s: %s", key, result)
-            else:
+            elif result:
                 ok += 1
+            else:  # the gateway is full (507): dropped and counted by the client, not an outage
+                self.stats.dropped_blocks += 1
         self.stats.stored_blocks += ok
         return ok
 

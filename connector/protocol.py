@@ -17,6 +17,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+# re-exported from their old home, so imports of them from here keep working
+from connector.wire import DIGEST_HEADER as DIGEST_HEADER
+from connector.wire import PART_DIGEST_HEADER as PART_DIGEST_HEADER
+from connector.wire import RANGE_DIGEST_HEADER as RANGE_DIGEST_HEADER
+
 DIGEST_LEN = 12
 CONFIG_FILENAME = "config.json"
 CANONICAL_FORMAT = "kvgate-v1-hnd"
@@ -24,12 +29,7 @@ CANONICAL_FORMAT = "kvgate-v1-hnd"
 
 MAX_KEY_LEN = 512
 
-# Header names shared by the gateway and its clients.
-DIGEST_HEADER = "X-KVGate-SHA256"
-"""Hex sha256 of the whole object; sent with a PUT to have it verified before anything is published."""
-PART_DIGEST_HEADER = "X-KVGate-Part-SHA256"
-RANGE_DIGEST_HEADER = "X-KVGate-Range-SHA256"
-"""On a 206: hex sha256 of the range's bytes, sent after the gateway checked the whole object against its digest."""
+# Header names shared by the gateway and its clients: connector/wire.py owns them and the values' grammar.
 
 _NS = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}_[0-9a-f]{12}"
 _BLOCK_RE = re.compile(

@@ -31,6 +31,7 @@ from connector.layout import BackendLayout, layer_views
 from connector.pipeline import WorkerPipeline
 from connector.plan import KeyScheme, SchedulerPlanner, StepPlan
 from connector.protocol import KVGroup, RunNaming, naming
+from connector.settings import ConnectorSettings
 from connector.transfer import BlockTransfer
 from connector.vllm_layout import check_layers, resolve_layout
 
@@ -142,22 +143,8 @@ def run_shape(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> RunSha
 
 
 def client_config(extra: dict[str, Any]) -> ClientConfig:
-    return ClientConfig(
-        base_url=str(extra.get("url", "http://127.0.0.1:8750")),
-        max_connections=int(extra.get("max_connections", 32)),
-        request_timeout_s=float(extra.get("timeout_s", 30.0)),
-        lookup_timeout_s=float(extra.get("lookup_timeout_s", 2.0)),
-        max_inflight_bytes=int(extra.get("max_inflight_mib", 1024)) * 1024 * 1024,
-        retries=int(extra.get("retries", 3)),
-        ca_file=_optional_str(extra, "ca_file"),
-        cert_file=_optional_str(extra, "cert_file"),
-        key_file=_optional_str(extra, "key_file"),
-    )
-
-
-def _optional_str(extra: dict[str, Any], name: str) -> str | None:
-    value = extra.get(name)
-    return None if value is None else str(value)
+    """The client's configuration from ``kv_connector_extra_config`` (SettingsError on an unknown key)."""
+    return ConnectorSettings.parse(extra).client_config()
 
 
 def _log_config_failure(future: Any) -> None:
@@ -170,13 +157,13 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        self._extra = extra
+        # parsed once: a misspelt key fails here, at start-up (connector/settings.py)
+        self.settings = settings = ConnectorSettings.parse(self._kv_transfer_config.kv_connector_extra_config)
         self.shape = run_shape(vllm_config, kv_cache_config)
         self.naming = self.shape.naming(self.shape.rank)
         if not self.shape.movable:
             log.warning("kvgate: a KV-cache group is not full attention; loads and stores are off")
-        self.client = BlockClient(client_config(extra))
+        self.client = BlockClient(settings.client_config())
         self.planner: SchedulerPlanner | None = None
         self.pipeline: WorkerPipeline | None = None
         self._loading: set[str] = set()
@@ -190,9 +177,9 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 keys=KeyScheme(namings=[self.shape.naming(r) for r in ranks], num_groups=len(self.shape.groups)),
                 block_size=self.shape.block_size,
                 hash_block_size=self.shape.hash_block_size,
-                lookup_wait_s=float(extra.get("lookup_wait_ms", 20)) / 1000,
-                load_enabled=self.shape.movable and bool(extra.get("load", True)),
-                store_enabled=self.shape.movable and bool(extra.get("store", True)),
+                lookup_wait_s=settings.lookup_wait_ms / 1000,
+                load_enabled=self.shape.movable and settings.load,
+                store_enabled=self.shape.movable and settings.store,
             )
 
     @property
@@ -290,9 +277,9 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 BlockTransfer(
                     kv_caches=layers,
                     layout=layout,
-                    max_blocks_per_batch=int(self._extra.get("blocks_per_batch", 16)),
-                    store_buffers=int(self._extra.get("store_buffers", 8)),
-                    load_buffers=int(self._extra.get("load_buffers", 4)),
+                    max_blocks_per_batch=self.settings.blocks_per_batch,
+                    store_buffers=self.settings.store_buffers,
+                    load_buffers=self.settings.load_buffers,
                 )
             )
         self.pipeline = WorkerPipeline(

@@ -9,10 +9,12 @@ with an ``fs`` tier directory. Configure it in ``kv_connector_extra_config.secon
 
 Every method runs on the scheduler's thread and returns at once: lookups are answered from verdicts of ONE batched
 ``POST /v1/lookup`` per scheduler step (a new key answers RETRY and joins the step's batch, sent from
-``on_schedule_end``); transfers run on the background loop of ``connector.client.BlockClient`` with a budget of
-bytes in flight. When the gateway is down or too slow the tier opens a circuit for ``down_cooldown_s``: lookups
-answer MISS and jobs fail at once. A load is verified against the sha256 ETag and copied into its slot only when
-whole and intact; a failed store is reported failed (vLLM drops it); a failed load reports the keys that did load.
+``on_schedule_end``); transfers run on the background loop of ``connector.client.BlockClient`` within its budget
+of bytes in flight. When the gateway is down or too slow the client opens its circuit for ``down_cooldown_s``:
+lookups answer MISS and jobs fail at once. A full gateway (507) is not down: the store is dropped and counted
+(``client.stats.full_stores``), lookups and loads go on. A load is verified against the sha256 ETag and copied into
+its slot only when whole and intact; a failed store is reported failed (vLLM drops it); a failed load reports the
+keys that did load.
 
 This is the only module of kvgate, besides connector/vllm.py, that imports vllm.
 """
@@ -20,12 +22,11 @@ This is the only module of kvgate, besides connector/vllm.py, that imports vllm.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -39,36 +40,14 @@ from vllm.v1.kv_offload.tiering.base import (
     TransferJob,
 )
 
-from connector.client import BlockClient, ClientConfig, ConnectorError, GatewayUnavailable
+from connector.client import BlockClient, ConnectorError, GatewayUnavailable
 from connector.protocol import parse_block_key, parse_config_key
+from connector.settings import TierSettings
 
 log = logging.getLogger("kvgate.vllm_tier")
 
 _ROOT = "/kvgate-root"
 """FileMapper wants a root directory; the gateway's keys are the paths relative to it."""
-
-
-class ByteBudget:
-    """At most ``limit`` bytes held at once on the loop; a request larger than the limit runs alone."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-        self._cond = asyncio.Condition()
-
-    @contextlib.asynccontextmanager
-    async def hold(self, nbytes: int, *, timeout_s: float) -> AsyncIterator[None]:
-        async with self._cond:
-            await asyncio.wait_for(
-                self._cond.wait_for(lambda: self.used == 0 or self.used + nbytes <= self.limit), timeout_s
-            )
-            self.used += nbytes
-        try:
-            yield
-        finally:
-            async with self._cond:
-                self.used -= nbytes
-                self._cond.notify_all()
 
 
 @dataclass(slots=True)
@@ -100,30 +79,17 @@ class KVGateTier(SecondaryTierManager):  # type: ignore[misc]
         offloading_spec: Any,
         primary_kv_view: memoryview,
         tier_type: str,
-        url: str,
         backpressure_detector: Any = None,
-        max_inflight_bytes: int = 256 * 1024 * 1024,
-        max_connections: int = 32,
-        connect_timeout_s: float = 0.5,
-        lookup_timeout_s: float = 0.5,
-        transfer_timeout_s: float = 30.0,
-        retries: int = 1,
-        down_cooldown_s: float = 2.0,
-        lookup_batch_keys: int = 4096,
-        enable_kv_events: bool = False,
-        locality: str | None = None,
-        ca_file: str | None = None,
-        cert_file: str | None = None,
-        key_file: str | None = None,
+        **config: Any,
     ) -> None:
+        """``config``: the tier's keys of ``secondary_tiers`` (connector/settings.py: TierSettings), checked here."""
+        self.settings = settings = TierSettings.parse(config)
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        self.locality = Locality(locality) if locality is not None else None
+        self.locality = Locality(settings.locality) if settings.locality is not None else None
         self._rows = primary_kv_view.cast("B")
         self._row_bytes: int = int(self.block_size_bytes)
-        self._transfer_timeout_s = transfer_timeout_s
-        self._lookup_timeout_s = lookup_timeout_s
-        self._down_cooldown_s = down_cooldown_s
-        self._lookup_batch_keys = lookup_batch_keys
+        self._transfer_timeout_s = settings.transfer_timeout_s
+        self._lookup_batch_keys = settings.lookup_batch_keys
 
         self.file_mapper = FileMapper.from_offloading_spec(
             root_dir=_ROOT,
@@ -135,7 +101,7 @@ class KVGateTier(SecondaryTierManager):  # type: ignore[misc]
         self._fields: dict[str, Any] = self.file_mapper.get_run_config()
 
         self.events: list[Any] | None = None
-        if enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events:
+        if settings.enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events:
             self.events = []
 
         # Scheduler-thread state (the tiering manager's lock serialises calls).
@@ -150,24 +116,9 @@ class KVGateTier(SecondaryTierManager):  # type: ignore[misc]
         # Jobs submitted and not yet put on ``_finished`` (drain_jobs waits for zero).
         self._outstanding = 0
         self._idle = threading.Condition()
-        self._down_until = 0.0
 
-        self._client = BlockClient(
-            ClientConfig(
-                base_url=url.rstrip("/"),
-                max_connections=max_connections,
-                connect_timeout_s=connect_timeout_s,
-                request_timeout_s=transfer_timeout_s,
-                lookup_timeout_s=lookup_timeout_s,
-                max_inflight_bytes=max_inflight_bytes,
-                retries=retries,
-                down_cooldown_s=down_cooldown_s,
-                ca_file=ca_file,
-                cert_file=cert_file,
-                key_file=key_file,
-            )
-        )
-        self._budget: ByteBudget = self._client.run(self._make_budget(max_inflight_bytes), timeout_s=10.0)
+        # the client owns the byte budget and the circuit breaker, as it does for connector/vllm.py
+        self._client = BlockClient(settings.client_config())
         self._config_lock: asyncio.Lock = self._client.run(self._make_lock(), timeout_s=10.0)
         self._config_stored = False
         self._client.submit(self._ensure_config())  # the namespace's config.json, once, off this thread
@@ -185,12 +136,7 @@ class KVGateTier(SecondaryTierManager):  # type: ignore[misc]
         return path
 
     def _is_down(self) -> bool:
-        return time.monotonic() < self._down_until or self._client.gateway_down
-
-    def _mark_down(self, why: str) -> None:
-        if not self._is_down():
-            log.warning("kvgate tier: gateway unavailable (%s); circuit open for %.1fs", why, self._down_cooldown_s)
-        self._down_until = time.monotonic() + self._down_cooldown_s
+        return self._client.gateway_down
 
     # -- lookups (scheduler thread) ------------------------------------------------------------------------------
 
@@ -344,10 +290,6 @@ class KVGateTier(SecondaryTierManager):  # type: ignore[misc]
     # -- the background loop -------------------------------------------------------------------------------------
 
     @staticmethod
-    async def _make_budget(limit: int) -> ByteBudget:
-        return ByteBudget(limit)
-
-    @staticmethod
     async def _make_lock() -> asyncio.Lock:
         return asyncio.Lock()
 
@@ -359,9 +301,8 @@ class KVGateTier(SecondaryTierManager):  # type: ignore[misc]
             if self._config_stored:
                 return True
             try:
-                await asyncio.wait_for(self._client.put_config(self.namespace, self._fields), self._transfer_timeout_s)
-            except (GatewayUnavailable, TimeoutError) as exc:
-                self._mark_down(repr(exc))
+                await self._client.put_config(self.namespace, self._fields)
+            except GatewayUnavailable:  # the client opened its circuit
                 return False
             except ConnectorError as exc:
                 log.error("kvgate tier: namespace %s config refused: %s", self.namespace, exc)
@@ -379,10 +320,9 @@ class KVGateTier(SecondaryTierManager):  # type: ignore[misc]
                     continue
                 try:
                     paths = [self.key_path(k) for k, _p in part]
-                    _prefix, slots = await asyncio.wait_for(self._client.lookup(paths), self._lookup_timeout_s)
+                    _prefix, slots = await self._client.lookup(paths)
                     answers.extend((probe, slot.present) for (_k, probe), slot in zip(part, slots, strict=True))
-                except (GatewayUnavailable, TimeoutError) as exc:
-                    self._mark_down(repr(exc))
+                except GatewayUnavailable:  # the client opened its circuit
                     answers.extend((probe, False) for _key, probe in part)
                 except Exception as exc:  # a refused batch is a miss for its keys, never a stuck RETRY
                     log.error("kvgate tier: lookup of %d keys failed: %s", len(part), exc)
@@ -409,11 +349,11 @@ class KVGateTier(SecondaryTierManager):  # type: ignore[misc]
             return False
         offset = chunk_id * self._row_bytes
         try:
-            async with self._budget.hold(self._row_bytes, timeout_s=self._transfer_timeout_s):
+            async with self._client.hold(self._row_bytes, timeout_s=self._transfer_timeout_s):
                 body = self._rows[offset : offset + self._row_bytes]
-                return await asyncio.wait_for(self._client.put(self.key_path(key), body), self._transfer_timeout_s)
-        except (GatewayUnavailable, TimeoutError) as exc:
-            self._mark_down(repr(exc))
+                return await self._client.put(self.key_path(key), body)  # False: the gateway is full (507)
+        except GatewayUnavailable:  # the client opened its circuit
+            pass
         except Exception as exc:
             log.warning("kvgate tier: store of chunk %d failed: %r", chunk_id, exc)
         return False
@@ -431,10 +371,10 @@ class KVGateTier(SecondaryTierManager):  # type: ignore[misc]
             return False
         offset = chunk_id * self._row_bytes
         try:
-            async with self._budget.hold(self._row_bytes, timeout_s=self._transfer_timeout_s):
+            async with self._client.hold(self._row_bytes, timeout_s=self._transfer_timeout_s):
                 path = self.key_path(key)
                 # Verified against the sha256 ETag; None if missing, short or corrupt.
-                data = await asyncio.wait_for(self._client.get(path), self._transfer_timeout_s)
+                data = await self._client.get(path)
                 if data is None:
                     return False
                 if len(data) != self._row_bytes:
@@ -442,8 +382,8 @@ class KVGateTier(SecondaryTierManager):  # type: ignore[misc]
                     return False
                 self._rows[offset : offset + self._row_bytes] = data
                 return True
-        except (GatewayUnavailable, TimeoutError) as exc:
-            self._mark_down(repr(exc))
+        except GatewayUnavailable:  # the client opened its circuit
+            pass
         except Exception as exc:
             log.warning("kvgate tier: load into chunk %d failed: %r", chunk_id, exc)
         return False

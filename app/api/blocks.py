@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import AsyncIterator
 from typing import Annotated
 
@@ -20,11 +19,12 @@ from app.core.parts import parse_content_range
 from app.core.reads import OpenBlock, read_range_verified, resolve_range
 from app.core.service import BlockService, parse_key
 from app.errors import InvalidRequest, LengthRequired, PayloadTooLarge
-from connector.protocol import DIGEST_HEADER, PART_DIGEST_HEADER, RANGE_DIGEST_HEADER, BlockKey
+from connector import wire
+from connector.protocol import BlockKey
+from connector.wire import DIGEST_HEADER, PART_DIGEST_HEADER, RANGE_DIGEST_HEADER
 
 router = APIRouter(prefix="/v1/blocks", tags=["blocks"], route_class=ThinRoute)  # the data path: cheap binding
 
-_HEX64 = re.compile(r"[0-9a-fA-F]{64}")
 PATH_DOC = "A vLLM FileMapper path: `<ns>_r<rank>/<hhh>/<hh>_g<group>/<hash>.bin`"
 
 
@@ -46,7 +46,7 @@ class PartResponse(BaseModel):
 
 
 def etag(meta: BlockMeta) -> str:
-    return f'"{meta.digest}"'
+    return wire.quote_etag(meta.digest)
 
 
 def meta_headers(meta: BlockMeta) -> dict[str, str]:
@@ -74,11 +74,10 @@ class BlockResponse(Response):
 
 
 def _digest_header(value: str | None, name: str = DIGEST_HEADER) -> str | None:
-    if value is None:
-        return None
-    if not _HEX64.fullmatch(value):
-        raise InvalidRequest(f"{name} must be 64 hex characters (sha256)")
-    return value.lower()
+    try:
+        return wire.parse_digest(value, header=name)
+    except wire.MalformedHeader as exc:
+        raise InvalidRequest(str(exc)) from exc
 
 
 async def _put_part(
@@ -114,7 +113,7 @@ async def _put_part(
     status = 200 if not out.created else 201 if out.complete else 202
     headers = {"Location": f"/v1/blocks/{out.key}"}
     if out.digest is not None:
-        headers["ETag"] = f'"{out.digest}"'
+        headers["ETag"] = wire.quote_etag(out.digest)
     return Response(body.model_dump_json(), status_code=status, media_type="application/json", headers=headers)
 
 
@@ -219,7 +218,7 @@ async def get_block(
     if span is None:
         return BlockResponse(block, start=0, end=block.meta.size, status_code=200, headers=headers)
     start, end = span
-    headers["Content-Range"] = f"bytes {start}-{end - 1}/{block.meta.size}"
+    headers["Content-Range"] = wire.format_content_range(start=start, end=end, total=block.meta.size)
     if block.meta.size <= cfg.verify_range_max_bytes:
         data, range_digest = await read_range_verified(block, start, end)
         headers[RANGE_DIGEST_HEADER] = range_digest

@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from app import errors as e
+from connector.wire import unsatisfied_content_range
 
 log = logging.getLogger("kvgate.api")
 
@@ -73,7 +74,7 @@ def response_for(exc: Exception) -> JSONResponse:
     if status in (429, 503):
         headers["Retry-After"] = RETRY_AFTER_S
     if isinstance(exc, e.RangeNotSatisfiable):
-        headers["Content-Range"] = f"bytes */{exc.size}"
+        headers["Content-Range"] = unsatisfied_content_range(exc.size)
     if isinstance(exc, e.Unauthorized):
         headers["WWW-Authenticate"] = 'Bearer realm="kvgate"'
     if status >= 500:

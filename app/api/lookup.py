@@ -12,6 +12,7 @@ from app.api.errors import documented
 from app.config import Settings
 from app.core.service import BlockService
 from app.errors import PayloadTooLarge
+from connector.wire import quote_etag
 
 
 class LookupRequest(BaseModel):
@@ -45,7 +46,9 @@ async def lookup(
     return LookupResponse(
         prefix=prefix,
         blocks=[
-            LookupSlot(key=k, present=r is not None, size=r.size if r else None, etag=f'"{r.digest}"' if r else None)
+            LookupSlot(
+                key=k, present=r is not None, size=r.size if r else None, etag=quote_etag(r.digest) if r else None
+            )
             for k, r in zip(req.keys, records, strict=True)
         ],
     )

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass
@@ -28,40 +27,24 @@ from app.errors import BlockNotFound, Conflict, DigestMismatch, InvalidRequest, 
 from app.index import Index, PartRecord
 from app.storage import BlockStore
 from app.storage.base import BodyChecker, Staged
+from connector import wire
 from connector.protocol import BlockKey, InvalidKey, parse_block_key
+from connector.wire import ByteSpan as ByteSpan  # its home before connector.wire
 
 log = logging.getLogger("kvgate.parts")
 
 PARTS_PREFIX = "_parts/"
 """Store prefix of part data; reconcile/adopt must skip it (never a block key)."""
 
-_CONTENT_RANGE = re.compile(r"bytes (\d{1,15})-(\d{1,15})/(\d{1,15})")
-
-
-@dataclass(frozen=True, slots=True)
-class ByteSpan:
-    """A part's half-open range ``[start, end)`` of an object of ``total`` bytes."""
-
-    start: int
-    end: int
-    total: int
-
-    @property
-    def size(self) -> int:
-        return self.end - self.start
-
 
 def parse_content_range(value: str) -> ByteSpan:
-    """``bytes a-b/total`` (inclusive ``b``) -> ByteSpan; 400 if malformed, 416 if beyond ``total``."""
-    m = _CONTENT_RANGE.fullmatch(value.strip())
-    if m is None:
-        raise InvalidRequest(f"Content-Range must be 'bytes a-b/total', got {value[:80]!r}")
-    first, last, total = int(m[1]), int(m[2]), int(m[3])
-    if last < first:
-        raise InvalidRequest(f"Content-Range {value!r}: end before start")
-    if last >= total:
-        raise RangeNotSatisfiable(f"Content-Range {value!r} reaches past the object's {total} bytes", size=total)
-    return ByteSpan(start=first, end=last + 1, total=total)
+    """``bytes a-b/total`` (inclusive ``b``) -> ByteSpan (connector.wire); 400 if malformed, 416 past ``total``."""
+    try:
+        return wire.parse_content_range(value)
+    except wire.RangeNotSatisfiable as exc:
+        raise RangeNotSatisfiable(str(exc), size=exc.size) from exc
+    except wire.MalformedHeader as exc:
+        raise InvalidRequest(str(exc)) from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,18 +184,16 @@ class PartAssembler:
 
     async def _concat(self, parts: list[PartRecord]) -> AsyncIterator[bytes]:
         for part in parts:
-            reader = await self.store.open(part.store_key)
             checker = BodyChecker(size=part.end - part.start, expected_digest=part.digest)
-            try:
-                async for chunk in reader.chunks(start=0, end=reader.size):
-                    checker.update(chunk)
-                    yield chunk
-                checker.finish()
-            except DigestMismatch as exc:
-                log.error("stored part is corrupt key=%s start=%d: %s", part.key, part.start, exc)
-                raise Conflict(f"stored part at byte {part.start} is corrupt; re-send it") from exc
-            finally:
-                await reader.aclose()
+            async with await self.store.open(part.store_key) as reader:
+                try:
+                    async for chunk in reader.chunks(start=0, end=reader.size):
+                        checker.update(chunk)
+                        yield chunk
+                    checker.finish()
+                except DigestMismatch as exc:
+                    log.error("stored part is corrupt key=%s start=%d: %s", part.key, part.start, exc)
+                    raise Conflict(f"stored part at byte {part.start} is corrupt; re-send it") from exc
 
     async def drop(self, path: str, parts: list[PartRecord] | None = None) -> int:
         """Forget the parts of ``path`` (rows, then data); how many rows there were."""

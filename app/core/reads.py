@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
 from collections.abc import AsyncIterator
 
 from app.core.keystate import BlockMeta
 from app.errors import BlockNotFound, DigestMismatch, InvalidRequest, RangeNotSatisfiable, SizeMismatch
 from app.storage import ObjectReader
 from app.storage.base import BodyChecker
+from connector import wire
 
 log = logging.getLogger("kvgate.reads")
-
-_RANGE = re.compile(r"bytes=([0-9]{0,18})-([0-9]{0,18})", re.ASCII | re.IGNORECASE)
-"""One ``bytes=a-b`` range, ASCII digits only (``str.isdigit`` also accepts '²' and other digits ``int`` rejects)."""
 
 
 def resolve_range(spec: str | None, size: int) -> tuple[int, int] | None:
@@ -25,21 +22,12 @@ def resolve_range(spec: str | None, size: int) -> tuple[int, int] | None:
     """
     if spec is None:
         return None
-    m = _RANGE.fullmatch(spec.strip())
-    if m is None or not (m[1] or m[2]):
-        raise InvalidRequest(f"malformed range {spec[:80]!r}: only a single 'bytes=a-b' range is supported")
-    first, last = m[1], m[2]
-    if not first:  # suffix range: the last n bytes
-        n = int(last)
-        if n == 0 or size == 0:
-            raise RangeNotSatisfiable(f"suffix range {spec!r} of a {size}-byte object", size=size)
-        return max(0, size - n), size
-    start = int(first)
-    if last and int(last) < start:
-        raise RangeNotSatisfiable(f"range {spec!r} ends before it starts", size=size)
-    if start >= size:
-        raise RangeNotSatisfiable(f"range {spec!r} outside 0-{size - 1}", size=size)
-    return start, min(size, int(last) + 1) if last else size
+    try:
+        return wire.parse_range(spec, size=size)
+    except wire.RangeNotSatisfiable as exc:
+        raise RangeNotSatisfiable(str(exc), size=exc.size) from exc
+    except wire.MalformedHeader as exc:
+        raise InvalidRequest(str(exc)) from exc
 
 
 class OpenBlock:

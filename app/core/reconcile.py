@@ -58,13 +58,10 @@ class ReconcileReport:
 
 
 async def _read_small(store: BlockStore, key: str, *, limit: int = 1 << 20) -> bytes | None:
-    reader = await store.open(key)
-    try:
+    async with await store.open(key) as reader:
         if reader.size > limit:
             return None
         return b"".join([c async for c in reader.chunks(start=0, end=reader.size)])
-    finally:
-        await reader.aclose()
 
 
 async def _adopt_config(store: BlockStore, index: Index, key: str, known: set[str]) -> bool:

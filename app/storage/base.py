@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Self
 
 from app.errors import DigestMismatch, SizeMismatch
 
@@ -45,13 +45,35 @@ class Staged:
 
 
 class ObjectReader(Protocol):
-    """An open object: its size, and its bytes in ``[start, end)`` as chunks; ``aclose`` releases it."""
+    """An open object: its size, and its bytes in ``[start, end)`` as chunks; ``aclose`` releases it.
+
+    An async context manager: ``async with await store.open(key) as reader:`` closes it however the block ends.
+    """
 
     size: int
 
     def chunks(self, *, start: int, end: int) -> AsyncIterator[bytes]: ...
 
     async def aclose(self) -> None: ...
+
+    async def __aenter__(self) -> Self: ...
+
+    async def __aexit__(self, *exc: object) -> None: ...
+
+
+class ClosingReader:
+    """``__aenter__``/``__aexit__`` for a reader class that defines ``aclose``."""
+
+    __slots__ = ()
+
+    async def aclose(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
 
 class BlockStore(Protocol):

@@ -19,7 +19,7 @@ from typing import TypeVar
 import anyio.to_thread
 
 from app.errors import BackendUnavailable, BlockNotFound, InsufficientStorage, InvalidRequest, VersionMismatch
-from app.storage.base import BodyChecker, ObjectInfo, ObjectMeta, Staged
+from app.storage.base import BodyChecker, ClosingReader, ObjectInfo, ObjectMeta, Staged
 
 TEMP_PREFIX = ".kvgate-tmp-"
 T = TypeVar("T")
@@ -71,7 +71,7 @@ async def batched(body: AsyncIterable[bytes], *, chunk_bytes: int, max_pieces: i
         yield pieces
 
 
-class FsReader:
+class FsReader(ClosingReader):
     __slots__ = ("_chunk", "_fd", "size", "stamp")
 
     def __init__(self, fd: int, size: int, chunk_bytes: int, stamp: str) -> None:

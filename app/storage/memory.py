@@ -8,10 +8,10 @@ from collections.abc import AsyncIterable, AsyncIterator
 from typing import cast
 
 from app.errors import BlockNotFound, VersionMismatch
-from app.storage.base import BodyChecker, ObjectInfo, ObjectMeta, Staged
+from app.storage.base import BodyChecker, ClosingReader, ObjectInfo, ObjectMeta, Staged
 
 
-class MemoryReader:
+class MemoryReader(ClosingReader):
     __slots__ = ("_chunk", "_data", "size")
 
     def __init__(self, data: bytes, chunk_bytes: int) -> None:

@@ -26,7 +26,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from app.config import S3Backend
 from app.errors import BackendUnavailable, BlockNotFound, InsufficientStorage, InvalidRequest, KVGateError
-from app.storage.base import BodyChecker, ObjectInfo, ObjectMeta, Staged, coalesce
+from app.storage.base import BodyChecker, ClosingReader, ObjectInfo, ObjectMeta, Staged, coalesce
 
 log = logging.getLogger("kvgate.storage.s3")
 
@@ -69,7 +69,7 @@ def split_version(name: str) -> tuple[str, str | None]:
     return (m[1], m[2]) if m else (name, None)
 
 
-class S3Reader:
+class S3Reader(ClosingReader):
     """An object opened by HEAD; each ``chunks`` call is one ranged GetObject pinned to the ETag seen at open."""
 
     __slots__ = ("_etag", "_key", "_store", "size")

@@ -153,21 +153,14 @@ def purge(
 async def _gc(
     data_dir: Path | None, db_url: str | None, temp_older_than_s: float, stale_parts_s: float, progress: Progress
 ) -> Any:
+    from app.backends import open_backends
     from app.config import Settings
     from app.core.keystate import MetaCache
     from app.core.reconcile import reconcile
     from app.core.service import BlockService
-    from app.index import Index, make_engine
-    from app.index.migrate import upgrade_head
-    from app.storage import build_store
 
     overrides: dict[str, Any] = {"data_dir": data_dir, "db_url": db_url}
     cfg = Settings(**{k: v for k, v in overrides.items() if v is not None})
-    store = build_store(cfg.backend, settings=cfg)
-    await store.start()
-    await upgrade_head(cfg.resolved_db_url)
-    index = Index(make_engine(cfg.resolved_db_url, sqlite_synchronous=cfg.sqlite_synchronous))
-    await index.start()
     tasks: dict[str, Any] = {}
 
     def note(phase: str, done: int, total: int) -> None:
@@ -175,8 +168,8 @@ async def _gc(
             tasks[phase] = progress.add_task(phase, total=max(total, 1))
         progress.update(tasks[phase], completed=done if total else 1, total=max(total, 1))
 
-    try:
-        service = BlockService(store=store, index=index, cache=MetaCache(entries=0, ttl_s=None))
+    async with open_backends(cfg) as backends:
+        service = BlockService(store=backends.store, index=backends.index, cache=MetaCache(entries=0, ttl_s=None))
         return await reconcile(
             service=service,
             concurrency=cfg.reconcile_concurrency,
@@ -184,9 +177,6 @@ async def _gc(
             stale_parts_s=stale_parts_s,
             progress=note,
         )
-    finally:
-        await index.close()
-        await store.close()
 
 
 def gc(

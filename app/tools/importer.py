@@ -23,13 +23,11 @@ from typing import Annotated, Any
 import anyio.to_thread
 import typer
 
+from app.backends import open_backends
 from app.config import FsBackend, Settings
 from app.core.keystate import MetaCache
 from app.core.service import BlockService
 from app.errors import KVGateError
-from app.index import Index, make_engine
-from app.index.migrate import upgrade_head
-from app.storage import build_store
 from connector.protocol import InvalidKey, parse_block_key, parse_config_key
 
 log = logging.getLogger("kvgate.importer")
@@ -178,25 +176,13 @@ async def import_dir(
     source = await anyio.to_thread.run_sync(source.resolve)
     if not await anyio.to_thread.run_sync(source.is_dir):
         raise FileNotFoundError(f"{source} is not a directory")
-    await anyio.to_thread.run_sync(lambda: settings.data_dir.mkdir(parents=True, exist_ok=True))
-    store = build_store(settings.backend, settings=settings)
-    await store.start()
-    await upgrade_head(settings.resolved_db_url)
-    index = Index(
-        make_engine(settings.resolved_db_url, sqlite_synchronous=settings.sqlite_synchronous),
-        flush_interval_s=settings.access_flush_interval_s,
-    )
-    await index.start()
-    try:
-        service = BlockService(store=store, index=index, cache=MetaCache(entries=0, ttl_s=None))
-        in_place = isinstance(settings.backend, FsBackend) and source == getattr(store, "root", None)
+    async with open_backends(settings) as backends:
+        service = BlockService(store=backends.store, index=backends.index, cache=MetaCache(entries=0, ttl_s=None))
+        in_place = isinstance(settings.backend, FsBackend) and source == getattr(backends.store, "root", None)
         importer = Importer(
             service=service, source=source, in_place=in_place, concurrency=concurrency, progress=progress
         )
         report = await importer.run()
-    finally:
-        await index.close()
-        await store.close()
     log.info("imported %s blocks=%d namespaces=%d failed=%d", source, report.blocks, report.namespaces, report.failed)
     return report
 

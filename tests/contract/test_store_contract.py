@@ -79,6 +79,21 @@ async def read(store: BlockStore, key: str, start: int = 0, end: int | None = No
         await reader.aclose()
 
 
+async def test_reader_is_an_async_context_manager(store: BlockStore) -> None:
+    """``async with await store.open(key) as reader``: the reader reads inside and is released on the way out, also
+    when the block inside fails (the filesystem's file descriptor is closed)."""
+    data = random_bytes(200_000, 7)
+    await put(store, KEY, data)
+    fds = len(os.listdir("/proc/self/fd"))
+    async with await store.open(KEY) as reader:
+        assert b"".join([c async for c in reader.chunks(start=0, end=reader.size)]) == data
+    with pytest.raises(RuntimeError, match="stop"):
+        async with await store.open(KEY) as reader:
+            raise RuntimeError("stop")
+    if isinstance(store, FilesystemStore):  # S3's pool may open a connection meanwhile: only files are counted
+        assert len(os.listdir("/proc/self/fd")) == fds
+
+
 async def put(store: BlockStore, key: str, data: bytes, *, digest: str | None = None) -> None:
     meta = await store.put(key, pieces(data), size=len(data), expected_digest=digest)
     assert (meta.size, meta.digest) == (len(data), sha(data))

@@ -78,9 +78,15 @@ def test_standalone_connector_reads_the_tls_keys(vllm_python: str) -> None:
     code = (
         "import json; from connector.vllm import client_config; "
         "c = client_config({'url': 'https://gw:8750', 'ca_file': '/p/ca.pem', 'cert_file': '/p/n.crt', "
-        "'key_file': '/p/n.key'}); print(json.dumps([c.base_url, c.ca_file, c.cert_file, c.key_file]))"
+        "'key_file': '/p/n.key'}); print(json.dumps([c.base_url, c.ca_file, c.cert_file, c.key_file]))\n"
+        "from connector.settings import SettingsError\n"
+        "try:\n    client_config({'url': 'https://gw:8750', 'ca_fle': '/p/ca.pem'})\n"
+        "except SettingsError as exc:\n    print(json.dumps(['refused', str(exc)]))"
     )
     out = subprocess.run(
         [vllm_python, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=240, check=True
     ).stdout
-    assert json.loads(out.strip().splitlines()[-1]) == ["https://gw:8750", "/p/ca.pem", "/p/n.crt", "/p/n.key"]
+    *_, keys, refused = out.strip().splitlines()
+    assert json.loads(keys) == ["https://gw:8750", "/p/ca.pem", "/p/n.crt", "/p/n.key"]
+    verdict, message = json.loads(refused)  # a misspelt TLS key fails at start-up, never a silent plain client
+    assert verdict == "refused" and "'ca_fle'" in message and "ca_file" in message

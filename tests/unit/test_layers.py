@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -72,9 +73,17 @@ def test_lower_layers_do_not_import_higher_ones(sources: tuple[str, ...], forbid
     assert _violations(sources, forbidden) == []
 
 
-def test_app_uses_only_the_key_contract_of_the_connector() -> None:
+def test_app_uses_only_the_key_contract_and_the_wire_format_of_the_connector() -> None:
     used = {imp for mod, imports in GRAPH.items() if _under(mod, "app") for imp in imports if _under(imp, "connector")}
-    assert {imp for imp in used if not _under(imp, "connector.protocol")} == set()
+    used.discard("connector")  # ``from connector import wire``: the package itself (an empty __init__)
+    assert {imp for imp in used if not _under(imp, "connector.protocol", "connector.wire")} == set()
+
+
+def test_the_shared_modules_are_stdlib_only() -> None:
+    """``connector.protocol`` and ``connector.wire`` are what both halves share: no third-party import, no app."""
+    for mod in ("connector.protocol", "connector.wire"):
+        tops = {imp.split(".")[0] for imp in GRAPH[mod]}
+        assert tops <= {*sys.stdlib_module_names, "__future__", "connector"}, (mod, tops)
 
 
 def test_only_the_vllm_modules_import_vllm() -> None:

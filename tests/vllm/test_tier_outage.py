@@ -48,3 +48,22 @@ def test_down_and_stalled_gateway_never_blocks_the_scheduler(
     assert r["recovered_lookup"][0] == ["HIT"] * 4
     assert all(job["success"] for job in r["recovered_load"].values())
     assert r["recovered_equal"] == [True] * 4
+
+
+def test_full_gateway_is_not_down_and_a_misspelt_key_fails(vllm_python: str, tmp_path: Path) -> None:
+    """507 (the store is full): the rows are dropped and counted, the circuit stays closed and lookups still reach
+    the gateway. A misspelt key in the tier's entry stops its construction with a message naming it."""
+    gw = Gateway(tmp_path / "data", env={"KVGATE_MAX_BYTES": str(32 * 1024)}).start()  # half a row
+    try:
+        r = run_driver(vllm_python, "full", tmp_path / "out", url=gw.url)
+    finally:
+        gw.stop()
+    assert r["full_store"]["1001"]["success"] is False
+    assert r["full_stats"] == {"full_stores": 4, "retries": 0}
+    assert r["full_gateway_down"] is False
+    verdicts, _seconds, steps = r["full_lookup"]
+    assert verdicts == ["MISS"] * 4 and steps >= 2  # answered by the gateway, not by an open circuit
+    assert r["full_gateway_down_after"] is False
+    kind, message = r["misspelt"]
+    assert kind == "SettingsError"
+    assert "'retires'" in message and "transfer_timeout_s" in message

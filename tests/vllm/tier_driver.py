@@ -348,7 +348,36 @@ def outage(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-SCENARIOS = {"roundtrip": roundtrip, "fs-write": fs_write, "kvgate-then-fs": kvgate_then_fs, "outage": outage}
+def full(args: argparse.Namespace) -> dict[str, Any]:
+    """A gateway too small for a row (every store is a 507), then a misspelt key in the tier's entry."""
+    spec = make_spec([])
+    report: dict[str, Any] = {}
+    view = primary_view()
+    tier = standalone_tier(spec, kvgate_tier_cfg(args.url, retries=2, down_cooldown_s=30.0), view)
+    steps = Steps(tier)
+    keys = keys_for(4, "full")
+    fill(view, range(4), seed=6)
+    report["full_store"] = summary(steps.wait({steps.job(keys, [0, 1, 2, 3], load=False)}))
+    stats = tier._client.stats
+    report["full_stats"] = {"full_stores": stats.full_stores, "retries": stats.retries}
+    report["full_gateway_down"] = tier._client.gateway_down
+    report["full_lookup"] = steps.lookups(keys, "f1")  # sent to the gateway (RETRY first), not short-circuited
+    report["full_gateway_down_after"] = tier._client.gateway_down
+    tier.shutdown()
+    try:
+        standalone_tier(spec, kvgate_tier_cfg(args.url, retires=1), primary_view())
+    except Exception as exc:  # the settings error, at construction
+        report["misspelt"] = [type(exc).__name__, str(exc)]
+    return report
+
+
+SCENARIOS = {
+    "roundtrip": roundtrip,
+    "fs-write": fs_write,
+    "kvgate-then-fs": kvgate_then_fs,
+    "outage": outage,
+    "full": full,
+}
 
 
 REPLY = "KVGATE-DRIVER "

@@ -1,0 +1,45 @@
+"""TLS for BlockClient: the SSLContext from the configured files, and what a failed connection says about TLS."""
+
+from __future__ import annotations
+
+import ssl
+
+import aiohttp
+
+from connector.errors import GatewayTLSError
+
+
+def client_ssl_context(*, ca_file: str | None, cert_file: str | None, key_file: str | None) -> ssl.SSLContext | bool:
+    """The SSLContext for https URLs: the CA bundle (or the system's), and the client certificate if one is set.
+
+    True (aiohttp's default verification) when nothing is configured; GatewayTLSError when a file does not load.
+    """
+    if ca_file is None and cert_file is None:
+        if key_file is not None:
+            raise GatewayTLSError("key_file needs cert_file")
+        return True
+    try:
+        ctx = ssl.create_default_context(cafile=ca_file)
+        if cert_file is not None:
+            ctx.load_cert_chain(cert_file, key_file)
+    except (OSError, ssl.SSLError) as exc:
+        files = ", ".join(f for f in (ca_file, cert_file, key_file) if f)
+        raise GatewayTLSError(f"cannot load the TLS files ({files}): {exc}") from exc
+    return ctx
+
+
+def tls_failure(exc: BaseException) -> str | None:
+    """What went wrong in TLS, when ``exc`` (or an error it wraps) is a TLS failure; None for anything else."""
+    seen: BaseException | None = exc
+    for _ in range(6):
+        if seen is None:
+            return None
+        if isinstance(seen, aiohttp.ClientConnectorCertificateError):
+            return f"the gateway's certificate is not trusted: {seen.certificate_error}"
+        if isinstance(seen, aiohttp.ClientSSLError):  # before ssl.SSLError: some of them are both
+            return str(seen)
+        if isinstance(seen, ssl.SSLError):
+            return str(getattr(seen, "reason", None) or seen)
+        nxt = getattr(seen, "os_error", None)
+        seen = nxt if isinstance(nxt, BaseException) and nxt is not seen else (seen.__cause__ or seen.__context__)
+    return None

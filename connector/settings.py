@@ -1,0 +1,160 @@
+"""The connector's and the tier's settings: parsed once, at start-up, into frozen typed objects.
+
+``ConnectorSettings`` is the standalone connector's ``kv_connector_extra_config``; ``TierSettings`` is the tier's
+entry of ``secondary_tiers`` (less the ``type``, ``module_path`` and ``backpressure`` keys vLLM takes for itself).
+A key neither knows is refused with a message naming it and the known ones, so a misspelt key fails at start-up
+instead of being silently ignored; a value of the wrong type is refused the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Self
+
+from connector.client import ClientConfig
+
+MIB = 1024 * 1024
+
+
+class SettingsError(ValueError):
+    """A key that is not known, or a value of the wrong type, in the connector's or the tier's configuration."""
+
+
+def _coerce(*, where: str, name: str, kind: Any, value: Any) -> Any:
+    """``value`` as ``kind`` (bool, int, float, str, or str | None); SettingsError when it is not one."""
+    optional = kind == "str | None" or kind == (str | None)
+    if value is None:
+        if optional:
+            return None
+        raise SettingsError(f"{where} key {name!r} may not be null")
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        raise SettingsError(f"{where} key {name!r} must be true or false, not {value!r}")
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise SettingsError(f"{where} key {name!r} must be an integer, not {value!r}")
+        try:
+            return int(value)
+        except ValueError as exc:
+            raise SettingsError(f"{where} key {name!r} must be an integer, not {value!r}") from exc
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, int | float | str):
+            raise SettingsError(f"{where} key {name!r} must be a number, not {value!r}")
+        try:
+            return float(value)
+        except ValueError as exc:
+            raise SettingsError(f"{where} key {name!r} must be a number, not {value!r}") from exc
+    if not isinstance(value, str):
+        raise SettingsError(f"{where} key {name!r} must be a string, not {value!r}")
+    return value
+
+
+class _Parsed:
+    """``parse(mapping)``: every key must be a field; each value is checked against the field's type."""
+
+    __slots__ = ()
+    WHERE: typing.ClassVar[str] = "settings"
+
+    @classmethod
+    def known_keys(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any] | None) -> Self:
+        raw = dict(raw or {})
+        known = cls.known_keys()
+        unknown = sorted(set(raw) - set(known))
+        if unknown:
+            raise SettingsError(
+                f"unknown {cls.WHERE} key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                f"known keys: {', '.join(known)}"
+            )
+        missing = [
+            f.name
+            for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+            if f.name not in raw and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]
+        if missing:
+            raise SettingsError(f"{cls.WHERE} needs the key{'s' if len(missing) > 1 else ''} {', '.join(missing)}")
+        hints = typing.get_type_hints(cls)
+        values = {k: _coerce(where=cls.WHERE, name=k, kind=hints[k], value=v) for k, v in raw.items()}
+        return cls(**values)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConnectorSettings(_Parsed):
+    """``kv_connector_extra_config`` of the standalone ``KVGateConnector`` (connector/vllm.py)."""
+
+    WHERE: typing.ClassVar[str] = "kv_connector_extra_config"
+
+    url: str = "http://127.0.0.1:8750"
+    max_connections: int = 32
+    timeout_s: float = 30.0
+    lookup_timeout_s: float = 2.0
+    lookup_wait_ms: float = 20.0
+    max_inflight_mib: int = 1024
+    retries: int = 3
+    blocks_per_batch: int = 16
+    store_buffers: int = 8
+    load_buffers: int = 4
+    load: bool = True
+    store: bool = True
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+
+    def client_config(self) -> ClientConfig:
+        return ClientConfig(
+            base_url=self.url,
+            max_connections=self.max_connections,
+            request_timeout_s=self.timeout_s,
+            lookup_timeout_s=self.lookup_timeout_s,
+            max_inflight_bytes=self.max_inflight_mib * MIB,
+            retries=self.retries,
+            ca_file=self.ca_file,
+            cert_file=self.cert_file,
+            key_file=self.key_file,
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TierSettings(_Parsed):
+    """The tier's entry of ``secondary_tiers`` (connector/vllm_tier.py), without the keys vLLM keeps."""
+
+    WHERE: typing.ClassVar[str] = "KVGateTier"
+
+    url: str
+    max_inflight_bytes: int = 256 * MIB
+    max_connections: int = 32
+    connect_timeout_s: float = 0.5
+    lookup_timeout_s: float = 0.5
+    transfer_timeout_s: float = 30.0
+    retries: int = 1
+    down_cooldown_s: float = 2.0
+    lookup_batch_keys: int = 4096
+    enable_kv_events: bool = False
+    locality: str | None = None
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+
+    def client_config(self) -> ClientConfig:
+        return ClientConfig(
+            base_url=self.url.rstrip("/"),
+            max_connections=self.max_connections,
+            connect_timeout_s=self.connect_timeout_s,
+            request_timeout_s=self.transfer_timeout_s,
+            lookup_timeout_s=self.lookup_timeout_s,
+            max_inflight_bytes=self.max_inflight_bytes,
+            retries=self.retries,
+            down_cooldown_s=self.down_cooldown_s,
+            ca_file=self.ca_file,
+            cert_file=self.cert_file,
+            key_file=self.key_file,
+        )

@@ -20,6 +20,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.errors import IndexUnavailable
+from app.index.batch import ReadBatcher
 from app.index.engine import WRITE_OPTION, guard
 from app.index.models import Block, Namespace, Part
 from app.index.records import (
@@ -46,6 +47,9 @@ class Index:
         self._queue: asyncio.Queue[tuple[SyncOp, asyncio.Future[Any]]] = asyncio.Queue()
         self._access: dict[str, tuple[float, int]] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._reads: ReadBatcher[BlockRecord] = ReadBatcher(
+            self.get_many, in_flight=1 if self._dialect == "sqlite" else 4
+        )
 
     # -- lifecycle -------------------------------------------------------------------------------------------
 
@@ -230,12 +234,8 @@ class Index:
         return select(Block).where(Block.key == bindparam("key"))
 
     async def get(self, key: str) -> BlockRecord | None:
-        async def q() -> BlockRecord | None:
-            async with self.engine.connect() as conn:
-                row = (await conn.execute(self._get_bound, {"key": key})).first()
-            return None if row is None else block_record(row)
-
-        return await guard(q(), "read")
+        """The row of ``key``; concurrent calls share one query (app/index/batch.py)."""
+        return await self._reads.get(key)
 
     async def get_many(self, keys: Sequence[str]) -> dict[str, BlockRecord]:
         async def q() -> dict[str, BlockRecord]:

@@ -15,7 +15,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
-from sqlalchemy import Connection, bindparam, case, delete, false, func, select, text, update
+from sqlalchemy import Connection, String, any_, bindparam, case, delete, false, func, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -36,6 +36,7 @@ from app.index.records import (
 log = logging.getLogger("kvgate.index")
 T = TypeVar("T")
 SyncOp = Callable[[Connection], Any]
+GET_MANY_CHUNK = 5000
 
 
 class Index:
@@ -237,13 +238,27 @@ class Index:
         """The row of ``key``; concurrent calls share one query (app/index/batch.py)."""
         return await self._reads.get(key)
 
+    @functools.cached_property
+    def _get_many_bound(self) -> Any:
+        """Many blocks by key with ONE bound parameter (a JSON array on SQLite, an array on PostgreSQL): compiled
+        once and cached, where ``IN (:k1, ..., :k500)`` is re-rendered for every call (most of a large lookup's
+        time). Both still search the primary key, one probe per key."""
+        if self._dialect == "postgresql":
+            return select(Block).where(Block.key == any_(bindparam("keys", type_=postgresql.ARRAY(String))))
+        listed = select(text("value")).select_from(func.json_each(bindparam("keys", type_=String)))
+        return select(Block).where(Block.key.in_(listed.scalar_subquery()))
+
     async def get_many(self, keys: Sequence[str]) -> dict[str, BlockRecord]:
+        """The rows of ``keys`` that exist (at most ``GET_MANY_CHUNK`` keys a query)."""
+        stmt = self._get_many_bound
+
         async def q() -> dict[str, BlockRecord]:
             found: dict[str, BlockRecord] = {}
             async with self.engine.connect() as conn:
-                for start in range(0, len(keys), 500):
-                    chunk = list(keys[start : start + 500])
-                    for row in await conn.execute(select(Block).where(Block.key.in_(chunk))):
+                for start in range(0, len(keys), GET_MANY_CHUNK):
+                    chunk = list(keys[start : start + GET_MANY_CHUNK])
+                    param: Any = chunk if self._dialect == "postgresql" else json.dumps(chunk)
+                    for row in await conn.execute(stmt, {"keys": param}):
                         found[row.key] = block_record(row)
             return found
 

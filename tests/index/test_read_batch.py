@@ -10,7 +10,7 @@ import pytest
 from app.errors import IndexUnavailable
 from app.index import Index
 from app.index.batch import ReadBatcher
-from tests.index.test_index_dialects import db_url, index, key, put_row  # noqa: F401  (fixtures)
+from tests.index.test_index_dialects import db_url, index, key, put_row, row  # noqa: F401  (fixtures)
 
 
 async def test_concurrent_gets_share_queries_and_get_their_own_rows(index: Index) -> None:  # noqa: F811
@@ -64,3 +64,14 @@ async def test_a_failed_query_fails_every_caller_of_its_batch() -> None:
         with pytest.raises(IndexUnavailable):
             await task
     assert batcher._running == set() and batcher._waiting == {}
+
+
+async def test_get_many_finds_exactly_the_present_keys(index: Index) -> None:  # noqa: F811
+    present = {key(i) for i in range(0, 1200, 3)}
+    await index.swap_block(row(key=key(0), size=1, digest="0" * 64), create_only=False)
+    for k in present - {key(0)}:
+        await put_row(index, key=k, size=7, digest="1" * 64)
+    asked = [key(i) for i in range(1200)] + [key(3), key(4), 'x"y\\z/\u00e9.bin']  # repeats, a key JSON escapes
+    found = await index.get_many(asked)
+    assert set(found) == present
+    assert found[key(0)].size == 1 and found[key(3)].size == 7 and found[key(3)].key == key(3)

@@ -15,6 +15,7 @@ from fastapi import FastAPI
 
 from app import __version__
 from app.api import admin, auth, blocks, docs, errors, events, health, limits, lookup, metrics, namespaces
+from app.api.thin import BlockFastPath
 from app.backends import Backends, open_backends
 from app.config import Settings
 from app.core.events import EventBus
@@ -55,6 +56,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     docs.install(app)
     for module in (blocks, lookup, namespaces, admin, events, health):
         app.include_router(module.router)
+    app.add_middleware(
+        BlockFastPath, routes=blocks.router.routes, prefix=blocks.router.prefix + "/"
+    )  # innermost: the data path's dispatch
     limits.install(app, cfg)  # inside auth: an unauthenticated request takes no upload slot
     auth.install(app, cfg)
     if cfg.metrics_enabled:

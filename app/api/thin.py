@@ -16,8 +16,10 @@ from typing import Any
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
 
 Handler = Callable[[Request], Coroutine[Any, Any, Response]]
 
@@ -103,3 +105,85 @@ class ThinRoute(APIRoute):
             return response
 
         return handler
+
+
+class BlockFastPath:
+    """Pure-ASGI dispatch of the block data path straight to its ThinRoute handlers.
+
+    ``routes``: the routes of an APIRouter included without extra prefix, dependencies or other context (the
+    router's own routes are then the ones the app runs). Innermost of the app's middlewares (auth, limits and
+    metrics still wrap it): a request whose path and method match one of them skips Starlette's router scan,
+    FastAPI's per-request wrappers (exception wrapper, exit stack) and their send chains. It does what those do
+    for these routes: the same path regex, the same ``scope`` entries (``route``, ``endpoint``, ``path_params``),
+    and the app's own exception handlers (``app.exception_handlers``, looked up by the exception's MRO as
+    Starlette does). Anything else, or a route ThinRoute could not make cheap, goes down the usual stack. Built for
+    Starlette >=1.6,<2 and FastAPI <0.166 (pinned in pyproject.toml); tests/api/test_fast_path.py checks that the
+    answers are the full stack's and that this path is the one taken.
+    """
+
+    def __init__(self, app: Any, *, routes: list[Any], prefix: str) -> None:
+        self.app = app
+        self.prefix = prefix
+        self._routes: dict[str, list[tuple[Any, Handler]]] = {}
+        for route in routes:
+            if not isinstance(route, ThinRoute) or not route.path.startswith(prefix):
+                continue
+            handler = route.get_route_handler()
+            if getattr(handler, "__qualname__", "").split(".")[0] != "ThinRoute":
+                continue  # FastAPI's own handler: it needs the full stack
+            for method in route.methods or ():
+                self._routes.setdefault(method, []).append((route, handler))
+        self.served = 0
+        """Requests this path answered (tests read it)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(self.prefix) or scope.get("root_path"):
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        for route, handler in self._routes.get(scope["method"], ()):
+            match = route.path_regex.match(path)
+            if match is None:
+                continue
+            scope["route"] = route
+            scope["endpoint"] = route.endpoint
+            scope["path_params"] = {**scope.get("path_params", {}), **match.groupdict()}
+            self.served += 1
+            await self._serve(handler, scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    async def _serve(self, handler: Handler, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def sender(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        request = Request(scope, receive, sender)
+        try:
+            response = await handler(request)
+            await response(scope, receive, sender)
+        except Exception as exc:
+            on_error = _exception_handler(scope["app"], exc)
+            if on_error is None:
+                raise
+            if started:
+                raise RuntimeError("Caught handled exception, but response already started.") from exc
+            answer = on_error(request, exc)
+            if inspect.isawaitable(answer):
+                answer = await answer
+            await answer(scope, receive, sender)
+            exc.__traceback__ = None
+
+
+def _exception_handler(app: Any, exc: Exception) -> Callable[[Request, Exception], Any] | None:
+    handlers: dict[Any, Any] = app.exception_handlers
+    if isinstance(exc, StarletteHTTPException) and exc.status_code in handlers:
+        return handlers[exc.status_code]  # type: ignore[no-any-return]
+    for klass in type(exc).__mro__:
+        if klass in handlers:
+            return handlers[klass]  # type: ignore[no-any-return]
+    return None

@@ -153,8 +153,12 @@ class FilesystemStore:
         checker = BodyChecker(size=size, expected_digest=expected_digest)
 
         def create() -> int:
-            final.parent.mkdir(parents=True, exist_ok=True)
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+            try:  # the key's directory is there for all but a prefix's first block: no mkdir walk per PUT
+                return os.open(tmp, flags, 0o644)
+            except FileNotFoundError:
+                final.parent.mkdir(parents=True, exist_ok=True)
+                return os.open(tmp, flags, 0o644)
 
         def write(fd: int, pieces: list[bytes]) -> None:
             # the network chunks go down as one writev: hashed and written in place, never joined (no copy)

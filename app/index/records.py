@@ -87,3 +87,19 @@ def block_record(row: Any) -> BlockRecord:
         hits=row.hits,
         stamp=row.stamp,
     )
+
+
+def row_values(record: BlockRecord) -> dict[str, Any]:
+    """A block row's column values (the model names the group column ``grp``)."""
+    return {
+        "key": record.key,
+        "namespace": record.namespace,
+        "rank": record.rank,
+        "grp": record.group,
+        "size": record.size,
+        "digest": record.digest,
+        "stamp": record.stamp,
+        "created_at": record.created_at,
+        "last_access": record.last_access,
+        "hits": record.hits,
+    }

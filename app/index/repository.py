@@ -1,7 +1,8 @@
 """The index: block rows (size, digest, namespace, times, hits) and namespace fields.
 
-Writes go through one group-commit task: concurrent PUTs share a transaction, and each caller returns only after
-the transaction holding its row has committed. Access times and hit counts are written behind, in batches.
+Writes go through one group-commit task (``app.index.writer``): concurrent PUTs share a transaction, and each caller
+returns only after the transaction holding its row has committed. Access times and hit counts are written behind, in
+batches. Whole-table reads and bulk writes (reconcile, eviction, usage) are in ``app.index.scans``.
 """
 
 from __future__ import annotations
@@ -15,37 +16,36 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
-from sqlalchemy import Connection, String, any_, bindparam, case, delete, false, func, select, text, update
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import Connection, String, any_, bindparam, delete, false, func, select, text, update
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.errors import IndexUnavailable
 from app.index.batch import ReadBatcher
-from app.index.engine import WRITE_OPTION, guard
+from app.index.engine import guard
 from app.index.models import Block, Namespace, Part
 from app.index.records import (
     BlockRecord,
-    Candidate,
     NamespaceRecord,
-    NamespaceUsage,
     PartRecord,
     Swap,
     block_record,
+    row_values,
 )
+from app.index.scans import Scans
 
 log = logging.getLogger("kvgate.index")
 T = TypeVar("T")
-SyncOp = Callable[[Connection], Any]
 GET_MANY_CHUNK = 5000
 
 
-class Index:
+class Index(Scans):
+    """Block rows, parts and namespaces: point reads (batched), the changes of one key, access times written behind;
+    the group-commit writer is ``app.index.writer``, the whole-table reads and bulk writes ``app.index.scans``."""
+
     def __init__(self, engine: AsyncEngine, *, flush_interval_s: float = 1.0, max_batch: int = 512) -> None:
-        self.engine = engine
-        self._dialect = engine.dialect.name
+        super().__init__(engine, max_batch=max_batch)
         self._flush_interval = flush_interval_s
-        self._max_batch = max_batch
-        self._queue: asyncio.Queue[tuple[SyncOp, asyncio.Future[Any]]] = asyncio.Queue()
         self._access: dict[str, tuple[float, int]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._reads: ReadBatcher[BlockRecord] = ReadBatcher(
@@ -80,49 +80,7 @@ class Index:
         # through the group-commit task, so readiness also says that task is alive.
         await self._write(lambda conn: conn.execute(delete(Namespace).where(false())))
 
-    # -- group commit ----------------------------------------------------------------------------------------
-
-    async def _write(self, op: SyncOp) -> Any:
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait((op, fut))
-        return await fut
-
-    async def _commit_loop(self) -> None:
-        while True:
-            batch = [await self._queue.get()]
-            while len(batch) < self._max_batch and not self._queue.empty():
-                batch.append(self._queue.get_nowait())
-            await self._commit(batch)
-
-    async def _commit(self, batch: list[tuple[SyncOp, asyncio.Future[Any]]]) -> None:
-        def run_all(conn: Connection) -> list[Any]:
-            return [op(conn) for op, _ in batch]
-
-        try:
-            async with self.engine.connect() as conn:
-                await conn.execution_options(**{WRITE_OPTION: True})
-                async with conn.begin():
-                    results = await conn.run_sync(run_all)
-        except Exception as exc:
-            if len(batch) > 1:  # isolate the failing op: the rest still commit
-                for item in batch:
-                    await self._commit([item])
-                return
-            err = IndexUnavailable(f"index write failed: {type(exc).__name__}: {exc}")
-            err.__cause__ = exc
-            _, fut = batch[0]
-            if not fut.done():
-                fut.set_exception(err)
-            return
-        for (_, fut), result in zip(batch, results, strict=True):
-            if not fut.done():
-                fut.set_result(result)
-
     # -- blocks ----------------------------------------------------------------------------------------------
-
-    def _insert(self, table: Any) -> Any:
-        """An INSERT of the index's dialect (both have ON CONFLICT, which the portable insert lacks)."""
-        return (postgresql.insert if self._dialect == "postgresql" else sqlite.insert)(table)
 
     @functools.cached_property
     def _upsert_bound(self) -> Any:
@@ -149,28 +107,13 @@ class Index:
         row = conn.execute(self._get_bound, {"key": key}).first()
         return None if row is None else block_record(row)
 
-    @staticmethod
-    def _values(record: BlockRecord) -> dict[str, Any]:
-        return {
-            "key": record.key,
-            "namespace": record.namespace,
-            "rank": record.rank,
-            "grp": record.group,
-            "size": record.size,
-            "digest": record.digest,
-            "stamp": record.stamp,
-            "created_at": record.created_at,
-            "last_access": record.last_access,
-            "hits": record.hits,
-        }
-
     async def swap_block(self, record: BlockRecord, *, create_only: bool) -> Swap:
         """Make ``record`` the row of its key, in one transaction that reads the row it replaces (the key held).
 
         Nothing is written when ``create_only`` and a row exists, or when the row already holds the same bytes
         (same digest and size): ``Swap.written`` says which, ``Swap.old`` is the row found.
         """
-        values = self._values(record)
+        values = row_values(record)
 
         def run(conn: Connection) -> Swap:
             self._lock_key(conn, record.key)
@@ -194,7 +137,7 @@ class Index:
             if old is None:
                 conn.execute(delete(Block).where(Block.key == key))
             else:
-                conn.execute(self._upsert_bound, self._values(old))
+                conn.execute(self._upsert_bound, row_values(old))
             return True
 
         return bool(await self._write(run))
@@ -281,16 +224,6 @@ class Index:
                             stamp=stamp,
                         )
             return found
-
-        return await guard(q(), "read")
-
-    async def usage(self) -> tuple[int, int]:
-        """(blocks, bytes) recorded in the index."""
-
-        async def q() -> tuple[int, int]:
-            async with self.engine.connect() as conn:
-                row = (await conn.execute(select(func.count(), func.coalesce(func.sum(Block.size), 0)))).one()
-            return int(row[0]), int(row[1])
 
         return await guard(q(), "read")
 
@@ -399,148 +332,3 @@ class Index:
             return int(conn.execute(delete(Part).where(Part.key == key)).rowcount)
 
         return int(await self._write(run))
-
-    async def part_bytes(self) -> dict[str, int]:
-        """Bytes of stored parts of incomplete objects, by object key (capacity counts them)."""
-
-        async def q() -> dict[str, int]:
-            stmt = select(Part.key, func.sum(Part.end - Part.start)).group_by(Part.key)
-            async with self.engine.connect() as conn:
-                return {r[0]: int(r[1]) for r in await conn.execute(stmt)}
-
-        return await guard(q(), "read")
-
-    async def parts_summary(self) -> dict[str, tuple[float, list[str]]]:
-        """Every incomplete object: key -> (oldest part's created_at, its parts' store keys)."""
-
-        async def q() -> dict[str, tuple[float, list[str]]]:
-            found: dict[str, tuple[float, list[str]]] = {}
-            async with self.engine.connect() as conn:
-                for r in await conn.execute(select(Part.key, Part.created_at, Part.store_key)):
-                    oldest, keys = found.get(r.key, (r.created_at, []))
-                    keys.append(r.store_key)
-                    found[r.key] = (min(oldest, r.created_at), keys)
-            return found
-
-        return await guard(q(), "read")
-
-    # -- capacity, reconcile and admin ----------------------------------------------------------------------
-
-    async def block_versions(self) -> dict[str, tuple[int, str | None]]:
-        """Every block row's key -> (size, stamp) (reconcile compares them with the store's listing)."""
-
-        async def q() -> dict[str, tuple[int, str | None]]:
-            async with self.engine.connect() as conn:
-                rows = await conn.execute(select(Block.key, Block.size, Block.stamp))
-                return {r.key: (int(r.size), r.stamp) for r in rows}
-
-        return await guard(q(), "scan")
-
-    async def adopt_many(self, records: Sequence[BlockRecord], *, chunk: int = 2000) -> None:
-        """Upsert many rows at once (executemany, one transaction per chunk); used by reconcile."""
-        ins = self._insert(Block)
-        stmt = ins.on_conflict_do_update(
-            index_elements=[Block.key],
-            set_={
-                "size": ins.excluded.size,
-                "digest": ins.excluded.digest,
-                "stamp": ins.excluded.stamp,
-                "created_at": ins.excluded.created_at,
-            },
-        )
-        rows = [self._values(r) for r in records]
-
-        def run(part: list[dict[str, Any]]) -> SyncOp:
-            return lambda conn: conn.execute(stmt, part)
-
-        for start in range(0, len(rows), chunk):
-            await self._write(run(rows[start : start + chunk]))
-
-    async def set_stamps(self, stamps: dict[str, str]) -> None:
-        """Record the stamp of rows written before stamps were (they were trusted on size, as they are now)."""
-        if not stamps:
-            return
-        stmt = update(Block).where(Block.key == bindparam("k"), Block.stamp.is_(None)).values(stamp=bindparam("s"))
-        params = [{"k": k, "s": s} for k, s in stamps.items()]
-        await self._write(lambda conn: conn.execute(stmt.execution_options(synchronize_session=False), params))
-
-    async def lru_candidates(self, *, limit: int, namespace: str | None = None) -> list[Candidate]:
-        """The ``limit`` least recently used blocks (last access, then creation time, then key)."""
-
-        async def q() -> list[Candidate]:
-            stmt = select(Block.key, Block.namespace, Block.size, Block.created_at, Block.stamp)
-            if namespace is not None:
-                stmt = stmt.where(Block.namespace == namespace)
-            stmt = stmt.order_by(Block.last_access, Block.created_at, Block.key).limit(limit)
-            async with self.engine.connect() as conn:
-                return [
-                    Candidate(
-                        key=r.key,
-                        namespace=r.namespace,
-                        size=int(r.size),
-                        created_at=float(r.created_at),
-                        stamp=r.stamp,
-                    )
-                    for r in await conn.execute(stmt)
-                ]
-
-        return await guard(q(), "read")
-
-    async def namespace_usage(self, namespace: str | None = None) -> list[NamespaceUsage]:
-        """Per-namespace aggregates of the block rows (one GROUP BY), ordered by name."""
-
-        async def q() -> list[NamespaceUsage]:
-            stmt = select(
-                Block.namespace,
-                func.count(),
-                func.coalesce(func.sum(Block.size), 0),
-                func.coalesce(func.sum(Block.hits), 0),
-                func.coalesce(func.sum(case((Block.hits == 0, 1), else_=0)), 0),
-                func.max(Block.created_at),
-                func.max(Block.last_access),
-            ).group_by(Block.namespace)
-            if namespace is not None:
-                stmt = stmt.where(Block.namespace == namespace)
-            async with self.engine.connect() as conn:
-                rows = (await conn.execute(stmt.order_by(Block.namespace))).all()
-            return [
-                NamespaceUsage(
-                    namespace=r[0],
-                    blocks=int(r[1]),
-                    bytes=int(r[2]),
-                    hits=int(r[3]),
-                    never_read=int(r[4]),
-                    last_write=None if r[5] is None else float(r[5]),
-                    last_access=None if r[6] is None else float(r[6]),
-                )
-                for r in rows
-            ]
-
-        return await guard(q(), "read")
-
-    async def namespace_names(self) -> list[str]:
-        """Names of the namespaces that have recorded fields."""
-
-        async def q() -> list[str]:
-            async with self.engine.connect() as conn:
-                return [r[0] for r in await conn.execute(select(Namespace.name).order_by(Namespace.name))]
-
-        return await guard(q(), "read")
-
-    async def namespace_blocks(self, namespace: str) -> list[tuple[str, int]]:
-        """(key, size) of every block row of ``namespace``."""
-
-        async def q() -> list[tuple[str, int]]:
-            stmt = select(Block.key, Block.size).where(Block.namespace == namespace)
-            async with self.engine.connect() as conn:
-                return [(r.key, int(r.size)) for r in await conn.execute(stmt)]
-
-        return await guard(q(), "read")
-
-    async def delete_namespace(self, name: str) -> bool:
-        """Remove a namespace's fields row; False if it had none."""
-
-        def run(conn: Connection) -> bool:
-            return bool(conn.execute(delete(Namespace).where(Namespace.name == name)).rowcount)
-
-        return bool(await self._write(run))

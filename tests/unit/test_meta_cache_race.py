@@ -11,18 +11,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 
-from app.core.keystate import MetaCache
 from app.core.removal import _version_of
 from app.core.service import BlockService, parse_key
 from app.errors import BlockNotFound
-from app.index import Index, make_engine
-from app.index.migrate import upgrade_head
-from app.storage.memory import MemoryStore
 from tests.conftest import key_for
+from tests.unit.inprocess import Gateway
 
 
 async def _body(data: bytes) -> AsyncIterator[bytes]:
@@ -30,20 +26,8 @@ async def _body(data: bytes) -> AsyncIterator[bytes]:
 
 
 @pytest.fixture
-async def service(tmp_path: Path) -> AsyncIterator[BlockService]:
-    url = f"sqlite+aiosqlite:///{tmp_path / 'index.db'}"
-    await upgrade_head(url)
-    index = Index(make_engine(url))
-    await index.start()
-    store = MemoryStore()
-    await store.start()
-    svc = BlockService(store=store, index=index, cache=MetaCache(entries=1024, ttl_s=None))
-    try:
-        yield svc
-    finally:
-        await svc.close()
-        await index.close()
-        await store.close()
+def service(gw: Gateway) -> BlockService:
+    return gw.service
 
 
 @pytest.mark.parametrize("change", ["evict", "delete"])

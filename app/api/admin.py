@@ -57,6 +57,9 @@ class Stats(BaseModel):
     misses: int = Field(description="GET/HEAD that did not")
     evictions: int
     evicted_bytes: int
+    evicting: bool = Field(
+        description="an eviction round is in flight: usage is still falling toward the low watermark"
+    )
     uptime_s: float
 
 
@@ -152,5 +155,6 @@ async def stats(
         misses=svc.counters.misses,
         evictions=cap.evictions,
         evicted_bytes=cap.evicted_bytes,
+        evicting=cap.evicting,
         uptime_s=time.monotonic() - request.app.state.started_at,
     )

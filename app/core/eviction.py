@@ -147,6 +147,11 @@ class Capacity:
         if nbytes > 0 and self._over(namespace):
             self._kick.set()  # evict now, not at the next interval
 
+    @property
+    def evicting(self) -> bool:
+        """An eviction round (or a usage resync) holds the capacity lock now."""
+        return self._lock.locked()
+
     # -- policy ----------------------------------------------------------------------------------------------
 
     def _over(self, namespace: str) -> bool:

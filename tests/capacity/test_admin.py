@@ -9,7 +9,7 @@ import httpx
 from connector.protocol import config_path, namespace_for
 from tests.capacity.helpers import block_files, index_rows
 from tests.conftest import TEST_NS, agnostic_fields, key_for, sha
-from tests.gateway import Gateway
+from tests.gateway import Gateway, settled_stats
 
 FIELDS = agnostic_fields("admin/model", dtype="float16", groups=[])
 OTHER = namespace_for(FIELDS)
@@ -108,9 +108,7 @@ def test_restart_with_a_bound_evicts_at_start(tmp_path: Path) -> None:
         gw.extra_env["KVGATE_MAX_BYTES"] = "10000"  # the bound shrinks: the first round evicts to the low mark
         gw.start()
         with httpx.Client(base_url=gw.url, timeout=30) as c:
-            from tests.capacity.test_eviction import settle
-
-            s = settle(c)
+            s = settled_stats(c)
             assert s["usage_bytes"] <= 9500 and s["evictions"] >= 10
             assert c.head(f"/v1/blocks/{key_for(19)}").status_code == 200
             assert c.head(f"/v1/blocks/{key_for(0)}").status_code == 404

@@ -2,30 +2,16 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 
 from tests.capacity.helpers import block_files, index_rows
 from tests.conftest import key_for, random_bytes, sha
-from tests.gateway import Gateway
+from tests.gateway import Gateway, settled_stats
 
 BLOCK = 64 * 1024
 CAPACITY_BLOCKS = 50
-
-
-def settle(c: httpx.Client) -> dict[str, Any]:
-    """/v1/stats once the background eviction that the last PUT kicked has finished: usage is under the high mark
-    and no round is in flight (a round goes on to the low mark, batch by batch, after usage passes the high one)."""
-    deadline = time.monotonic() + 20
-    while True:
-        stats: dict[str, Any] = c.get("/v1/stats").json()
-        under = stats["usage_bytes"] <= stats["max_bytes"] * stats["high_watermark"]
-        if (under and not stats["evicting"]) or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.05)
 
 
 def test_fill_past_capacity_keeps_bound_and_hot_blocks(tmp_path: Path) -> None:
@@ -50,7 +36,7 @@ def test_fill_past_capacity_keeps_bound_and_hot_blocks(tmp_path: Path) -> None:
                     for h in hot:
                         g = c.get(f"/v1/blocks/{key_for(h)}")
                         assert g.status_code == 200 and g.content == bodies[h], (i, h, g.status_code)
-            stats = settle(c)
+            stats = settled_stats(c)
             assert stats["evictions"] >= 200 - CAPACITY_BLOCKS
             assert stats["usage_bytes"] == stats["blocks"] * BLOCK <= CAPACITY_BLOCKS * BLOCK
             present = {i for i in range(200) if c.head(f"/v1/blocks/{key_for(i)}").status_code == 200}
@@ -149,7 +135,7 @@ def test_head_and_lookup_do_not_extend_a_blocks_life(tmp_path: Path) -> None:
             assert c.get(f"/v1/blocks/{key_for(1)}").status_code == 200  # only GET makes a block recent
             for i in range(9, 12):
                 assert c.put(f"/v1/blocks/{key_for(i)}", content=random_bytes(BLOCK, seed=i)).status_code == 201
-            settle(c)
+            settled_stats(c)
             assert c.head(f"/v1/blocks/{key_for(0)}").status_code == 404  # oldest, HEADs notwithstanding
             assert c.head(f"/v1/blocks/{key_for(1)}").status_code == 200  # read: survived its elders
             assert c.head(f"/v1/blocks/{key_for(2)}").status_code == 404

@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import key_for, random_bytes
 from tests.e2e.races import Ledger, assert_fs_agrees, assert_http_agrees, assert_stats_exact, sha, while_reading
-from tests.gateway import Gateway
+from tests.gateway import Gateway, settled_stats
 
 PUTS = 25
 """PUTs per writer."""
@@ -157,10 +157,8 @@ def test_eviction_races_gets_and_puts(tmp_path: Path) -> None:
         asyncio.run(while_reading(writes, [gw.url], keys, ledger, n=6))
         assert not ledger.errors, (ledger.errors[:10], ledger.statuses)
         assert ledger.statuses["PUT 201"] + ledger.statuses["PUT 200"] > 100, ledger.statuses
-        seen = -1
-        while (now := httpx.get(f"{gw.url}/v1/stats").json()["evictions"]) != seen:  # background eviction settles
-            seen = now
-            time.sleep(1.0)
+        with httpx.Client(base_url=gw.url) as c:
+            settled_stats(c)
         present = assert_http_agrees(gw.url, keys, ledger)
         rows = assert_fs_agrees(gw.data_dir)
         assert {k: d for k, (_, d) in rows.items()} == present

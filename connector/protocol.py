@@ -32,11 +32,15 @@ MAX_KEY_LEN = 512
 # Header names shared by the gateway and its clients: connector/wire.py owns them and the values' grammar.
 
 _NS = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}_[0-9a-f]{12}"
-_BLOCK_RE = re.compile(
-    rf"(?P<namespace>{_NS})_r(?P<rank>0|[1-9][0-9]{{0,5}})"
-    r"/(?P<d1>[0-9a-f]{3})/(?P<d2>[0-9a-f]{2})_g(?P<group>0|[1-9][0-9]{0,9})"
-    r"/(?P<hash>(?:[0-9a-f]{2}){8,64})\.bin"
+# A block path is matched in two pieces at its first "/" (a namespace has none): the head ``<ns>_r<rank>`` (its
+# backtracking over the model name is most of a match's cost, and one run's keys share a handful of heads, so they
+# are cached) and the tail ``<hhh>/<hh>_g<group>/<hash>.bin`` (no backtracking).
+_HEAD_RE = re.compile(rf"(?P<namespace>{_NS})_r(?P<rank>0|[1-9][0-9]{{0,5}})")
+_TAIL_RE = re.compile(
+    r"(?P<d1>[0-9a-f]{3})/(?P<d2>[0-9a-f]{2})_g(?P<group>0|[1-9][0-9]{0,9})/(?P<hash>(?:[0-9a-f]{2}){8,64})\.bin"
 )
+_HEADS: dict[str, tuple[str, int]] = {}
+_MAX_HEADS = 4096
 _CONFIG_RE = re.compile(rf"(?P<namespace>{_NS})/config\.json")
 _NAMESPACE_RE = re.compile(_NS)
 
@@ -60,10 +64,21 @@ class BlockKey:
 
 
 def parse_block_key(path: str) -> BlockKey:
-    """Parse a block path strictly; anything that vLLM's FileMapper cannot produce is an ``InvalidKey``."""
+    """Parse a block path strictly; anything that vLLM's FileMapper cannot produce is an ``InvalidKey``. A path
+    that parses is its own canonical form: ``parse_block_key(p).path == p``."""
     if len(path) > MAX_KEY_LEN:
         raise InvalidKey(f"key longer than {MAX_KEY_LEN} characters")
-    m = _BLOCK_RE.fullmatch(path)
+    head, _, tail = path.partition("/")
+    ns_rank = _HEADS.get(head)
+    if ns_rank is None:
+        h = _HEAD_RE.fullmatch(head)
+        if h is None:
+            raise InvalidKey(f"not a block key: {path[:120]!r}")
+        ns_rank = (h["namespace"], int(h["rank"]))
+        if len(_HEADS) >= _MAX_HEADS:
+            _HEADS.clear()
+        _HEADS[head] = ns_rank
+    m = _TAIL_RE.fullmatch(tail)
     if m is None:
         raise InvalidKey(f"not a block key: {path[:120]!r}")
     block_hash = m["hash"]
@@ -72,7 +87,7 @@ def parse_block_key(path: str) -> BlockKey:
     group = int(m["group"])
     if group >= 2**32:
         raise InvalidKey("group index out of range")
-    return BlockKey(namespace=m["namespace"], rank=int(m["rank"]), group=group, block_hash=block_hash)
+    return BlockKey(namespace=ns_rank[0], rank=ns_rank[1], group=group, block_hash=block_hash)
 
 
 def parse_namespace(name: str) -> str:

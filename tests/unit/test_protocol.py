@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from connector.protocol import (
     CANONICAL_FORMAT,
@@ -219,3 +222,81 @@ BAD_KEYS = [
 def test_parser_rejects(bad: str) -> None:
     with pytest.raises(InvalidKey):
         parse_block_key(bad)
+
+
+# The key grammar as one regex, written from FileMapper's text: the parser (which splits the path and caches heads)
+# must agree with it on every string, valid or not.
+_REFERENCE = re.compile(
+    r"(?P<ns>[A-Za-z0-9_][A-Za-z0-9._-]{0,199}_[0-9a-f]{12})_r(?P<rank>0|[1-9][0-9]{0,5})"
+    r"/(?P<d1>[0-9a-f]{3})/(?P<d2>[0-9a-f]{2})_g(?P<group>0|[1-9][0-9]{0,9})/(?P<hash>(?:[0-9a-f]{2}){8,64})\.bin"
+)
+
+
+def _reference(path: str) -> tuple[str, int, int, str] | None:
+    m = _REFERENCE.fullmatch(path) if len(path) <= 512 else None
+    if m is None or m["d1"] != m["hash"][:3] or m["d2"] != m["hash"][3:5] or int(m["group"]) >= 2**32:
+        return None
+    return m["ns"], int(m["rank"]), int(m["group"]), m["hash"]
+
+
+_pieces = st.sampled_from(
+    ["org_m_0123456789ab", "a.b-c_ffffffffffff", "m_0123456789a", "_r", "_r0", "_r12", "_r01", "/", "//", "abc",
+     "ab", "de", "_g0", "_g7", "_g4294967296", "_g-1", ".bin", ".txt", "0123456789abcdef", "abcdef0123456789",
+     "ABCDEF", "_", "x", "\x00", " ", "..", "0"]
+)  # fmt: skip
+
+
+def _valid_paths() -> st.SearchStrategy[str]:
+    ns = st.sampled_from(["org_m_0123456789ab", "a.b-c_ffffffffffff", "x_r1_000000000000"])
+    hashes = st.binary(min_size=8, max_size=32)
+    ranks = st.integers(0, 999_999)
+    groups = st.integers(0, 2**32 - 1)
+    return st.builds(
+        lambda n, r, h, g: block_path(namespace=n, rank=r, block_hash=h, group=g), ns, ranks, hashes, groups
+    )
+
+
+_FIELDS: dict[str, list[str]] = {  # a good value first, then bad ones at the edges of the grammar
+    "ns": ["org_m_0123456789ab", "a_r0_0123456789ab", ".x_0123456789ab", "m_0123456789a", "m_0123456789aB", ""],
+    "rank": ["7", "0", "999999", "01", "1234567", "-1", ""],
+    "case": ["lower", "upper", "g"],
+    "d1": ["ok", "abc", "short", "long"],
+    "d2": ["ok", "de", "short", "long"],
+    "group": ["9", "0", "4294967295", "4294967296", "00", "-1", "a", ""],
+    "ext": [".bin", ".txt", "", ".bin/x", ".bin\x00"],
+}
+
+
+@st.composite
+def _near_paths(draw: st.DrawFn) -> str:
+    """Paths shaped like keys with at most one field broken (at its edges: lengths, case, leading zeros, prefixes)."""
+    broken = draw(st.sampled_from([None, *_FIELDS]))
+    f = {name: draw(st.sampled_from(values)) if name == broken else values[0] for name, values in _FIELDS.items()}
+    n = draw(st.sampled_from([0, 2, 14, 15, 16, 17, 18, 64, 126, 128, 129, 130]))
+    digest = draw(st.text("0123456789abcdef", min_size=n, max_size=n))
+    digest = {"lower": digest, "upper": digest.upper(), "g": digest + "g"}[f["case"]]
+    d1 = {"ok": digest[:3], "abc": "abc", "short": digest[:2], "long": digest[:4]}[f["d1"]]
+    d2 = {"ok": digest[3:5], "de": "de", "short": digest[3:4], "long": digest[3:6]}[f["d2"]]
+    return f"{f['ns']}_r{f['rank']}/{d1}/{d2}_g{f['group']}/{digest}{f['ext']}"
+
+
+@settings(max_examples=1500, deadline=None)
+@given(st.one_of(_valid_paths(), _near_paths(), st.lists(_pieces, max_size=12).map("".join)))
+def test_parser_agrees_with_the_one_regex_grammar(path: str) -> None:
+    expected = _reference(path)
+    try:
+        parsed = parse_block_key(path)
+    except InvalidKey:
+        assert expected is None, path
+        return
+    assert (parsed.namespace, parsed.rank, parsed.group, parsed.block_hash) == expected, path
+    assert parsed.path == path  # a path that parses is its own canonical form (lookup relies on it)
+
+
+def test_a_cached_head_does_not_admit_a_bad_tail() -> None:
+    good = block_path(namespace="org_m_0123456789ab", rank=3, block_hash=bytes(range(16)), group=0)
+    parse_block_key(good)  # caches the head
+    head = good.split("/", 1)[0]
+    for tail in ["abc/de_g0/abcdef0123456789.txt", "000/01_g0/000102.bin", "", "000/01_g0/" + "0" * 20 + ".bin"]:
+        with pytest.raises(InvalidKey):
+            parse_block_key(f"{head}/{tail}")

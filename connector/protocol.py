@@ -36,8 +36,8 @@ _NS = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}_[0-9a-f]{12}"
 # backtracking over the model name is most of a match's cost, and one run's keys share a handful of heads, so they
 # are cached) and the tail ``<hhh>/<hh>_g<group>/<hash>.bin`` (no backtracking).
 _HEAD_RE = re.compile(rf"(?P<namespace>{_NS})_r(?P<rank>0|[1-9][0-9]{{0,5}})")
-_TAIL_RE = re.compile(
-    r"(?P<d1>[0-9a-f]{3})/(?P<d2>[0-9a-f]{2})_g(?P<group>0|[1-9][0-9]{0,9})/(?P<hash>(?:[0-9a-f]{2}){8,64})\.bin"
+_TAIL_RE = re.compile(  # the hash's even length is checked apart: a repeated group costs the match 2x
+    r"(?P<d1>[0-9a-f]{3})/(?P<d2>[0-9a-f]{2})_g(?P<group>0|[1-9][0-9]{0,9})/(?P<hash>[0-9a-f]{16,128})\.bin"
 )
 _HEADS: dict[str, tuple[str, int]] = {}
 _MAX_HEADS = 4096
@@ -79,7 +79,7 @@ def parse_block_key(path: str) -> BlockKey:
             _HEADS.clear()
         _HEADS[head] = ns_rank
     m = _TAIL_RE.fullmatch(tail)
-    if m is None:
+    if m is None or len(m["hash"]) % 2:
         raise InvalidKey(f"not a block key: {path[:120]!r}")
     block_hash = m["hash"]
     if m["d1"] != block_hash[:3] or m["d2"] != block_hash[3:5]:

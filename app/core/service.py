@@ -319,11 +319,12 @@ class BlockService(Removal):
         self.counters.misses += 1
         raise BlockNotFound(path)
 
-    async def lookup(self, paths: list[str]) -> tuple[int, list[BlockRecord | None]]:
-        """Length of the longest present prefix of ``paths``, and each path's record (None: absent)."""
-        keys = [parse_key(p).path for p in paths]
-        found = await self.index.get_many(keys)
-        slots = [found.get(k) for k in keys]
+    async def lookup(self, paths: list[str]) -> tuple[int, list[tuple[int, str] | None]]:
+        """Length of the longest present prefix of ``paths``, and each path's (size, digest) (None: absent)."""
+        for p in paths:
+            parse_key(p)  # a path that parses is its own canonical form: the index is asked for the paths as sent
+        found = await self.index.sizes_many(paths)
+        slots = [found.get(p) for p in paths]
         prefix = 0
         for slot in slots:
             if slot is None:

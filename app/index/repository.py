@@ -181,27 +181,33 @@ class Index(Scans):
         """The row of ``key``; concurrent calls share one query (app/index/batch.py)."""
         return await self._reads.get(key)
 
-    @functools.cached_property
-    def _get_many_bound(self) -> Any:
+    def _many_bound(self, cols: list[Any]) -> Any:
         """Many blocks by key with ONE bound parameter (a JSON array on SQLite, an array on PostgreSQL): compiled
         once, where ``IN (:k1, ..., :k500)`` is re-rendered for every call (most of a large lookup's time). Both
-        search the primary key, one probe per key. The columns come in BlockRecord's order, so a row is built from
-        the plain tuple (SQLAlchemy's per-row processing was most of what was left)."""
-        cols = [Block.key, Block.namespace, Block.rank, Block.grp, Block.size, Block.digest]
-        cols += [Block.created_at, Block.last_access, Block.hits, Block.stamp]
+        search the primary key, one probe per key. Rows come back as plain tuples of ``cols`` (SQLAlchemy's
+        per-row processing was most of what was left)."""
         if self._dialect == "postgresql":
             return select(*cols).where(Block.key == any_(bindparam("keys", type_=postgresql.ARRAY(String))))
         listed = select(text("value")).select_from(func.json_each(bindparam("keys", type_=String)))
         sql = select(*cols).where(Block.key.in_(listed.scalar_subquery()))
         return str(sql.compile(dialect=self.engine.dialect))
 
-    async def get_many(self, keys: Sequence[str]) -> dict[str, BlockRecord]:
-        """The rows of ``keys`` that exist (at most ``GET_MANY_CHUNK`` keys a query)."""
-        stmt = self._get_many_bound
+    @functools.cached_property
+    def _get_many_bound(self) -> Any:
+        """The columns in BlockRecord's order, so a record is built from the plain tuple."""
+        cols = [Block.key, Block.namespace, Block.rank, Block.grp, Block.size, Block.digest]
+        return self._many_bound([*cols, Block.created_at, Block.last_access, Block.hits, Block.stamp])
+
+    @functools.cached_property
+    def _sizes_many_bound(self) -> Any:
+        return self._many_bound([Block.key, Block.size, Block.digest])
+
+    async def _many(self, stmt: Any, keys: Sequence[str]) -> list[Any]:
+        """The rows ``stmt`` selects for those of ``keys`` that exist (at most ``GET_MANY_CHUNK`` keys a query)."""
         sqlite = self._dialect != "postgresql"
 
-        async def q() -> dict[str, BlockRecord]:
-            found: dict[str, BlockRecord] = {}
+        async def q() -> list[Any]:
+            rows: list[Any] = []
             async with self.engine.connect() as conn:
                 for start in range(0, len(keys), GET_MANY_CHUNK):
                     chunk = list(keys[start : start + GET_MANY_CHUNK])
@@ -209,23 +215,18 @@ class Index(Scans):
                         result = await conn.exec_driver_sql(stmt, (json.dumps(chunk),))
                     else:
                         result = await conn.execute(stmt, {"keys": chunk})
-                    rows: Iterable[tuple[Any, ...]] = result.all()
-                    for k, ns, rank, grp, size, digest, created, last, hits, stamp in rows:
-                        found[k] = BlockRecord(
-                            key=k,
-                            namespace=ns,
-                            rank=rank,
-                            group=grp,
-                            size=size,
-                            digest=digest,
-                            created_at=created,
-                            last_access=last,
-                            hits=hits,
-                            stamp=stamp,
-                        )
-            return found
+                    rows += result.all()
+            return rows
 
         return await guard(q(), "read")
+
+    async def get_many(self, keys: Sequence[str]) -> dict[str, BlockRecord]:
+        """The rows of ``keys`` that exist."""
+        return {row[0]: BlockRecord(*row) for row in await self._many(self._get_many_bound, keys)}
+
+    async def sizes_many(self, keys: Sequence[str]) -> dict[str, tuple[int, str]]:
+        """``key -> (size, digest)`` for those of ``keys`` that exist: what a lookup answers, and no more."""
+        return {k: (size, digest) for k, size, digest in await self._many(self._sizes_many_bound, keys)}
 
     # -- access times, written behind ------------------------------------------------------------------------
 

@@ -70,24 +70,38 @@ def split_version(name: str) -> tuple[str, str | None]:
 
 
 class S3Reader(ClosingReader):
-    """An object opened by HEAD; each ``chunks`` call is one ranged GetObject pinned to the ETag seen at open."""
+    """An opened object. A version's object is opened by a whole-object GetObject whose body the first
+    ``chunks(0, ...)`` reads: one store round trip per GET. Any other ``chunks`` call is one ranged GetObject, pinned
+    to the ETag seen at open (an unversioned name, opened by HEAD, can be overwritten; a version's name cannot)."""
 
-    __slots__ = ("_etag", "_key", "_store", "size")
+    __slots__ = ("_body", "_etag", "_key", "_store", "size")
 
-    def __init__(self, store: S3Store, name: str, *, size: int, etag: str | None) -> None:
+    def __init__(self, store: S3Store, name: str, *, size: int, etag: str | None, body: Any = None) -> None:
         self._store = store
         self._key = name
         self._etag = etag
+        self._body = body
         self.size = size
 
     async def chunks(self, *, start: int, end: int) -> AsyncIterator[bytes]:
+        body, self._body = self._body, None
         if start >= end:
+            if body is not None:
+                body.close()
             return
+        if body is not None and start == 0:
+            async for chunk in self._store.stream(body, name=self._key, size=end):
+                yield chunk
+            return
+        if body is not None:
+            body.close()  # a range that does not start at 0: the whole-object body is dropped unread
         async for chunk in self._store.read_range(self._key, start=start, end=end, etag=self._etag):
             yield chunk
 
     async def aclose(self) -> None:
-        return None
+        body, self._body = self._body, None
+        if body is not None:
+            body.close()
 
 
 class S3Store:
@@ -328,38 +342,46 @@ class S3Store:
             raise _translate(exc, "head") from exc
 
     async def open(self, key: str, *, stamp: str | None = None) -> S3Reader:
-        """Open the object holding version ``stamp`` of ``key`` (its own name: it never changes while it exists)."""
+        """Open the object holding version ``stamp`` of ``key``: one GetObject, whose body the first read takes (a
+        version's name never changes while it exists). An unversioned object (``stamp`` None) is opened by HEAD."""
         name = self.version_name(key, stamp)
-        head = await self._head(name)
-        if head is None:
-            raise BlockNotFound(key)
-        etag = head.get("ETag")
-        return S3Reader(self, name, size=int(head["ContentLength"]), etag=str(etag) if etag else None)
+        if stamp is None:
+            head = await self._head(name)
+            if head is None:
+                raise BlockNotFound(key)
+            etag = head.get("ETag")
+            return S3Reader(self, name, size=int(head["ContentLength"]), etag=str(etag) if etag else None)
+        resp = await self._get(name)
+        return S3Reader(self, name, size=int(resp["ContentLength"]), etag=None, body=resp["Body"])
 
-    async def read_range(self, name: str, *, start: int, end: int, etag: str | None) -> AsyncIterator[bytes]:
-        """The bytes ``[start, end)`` of the object ``name`` from one ranged GetObject, streamed."""
-        kwargs: dict[str, Any] = {
-            "Bucket": self.bucket,
-            "Key": name,
-            "Range": f"bytes={start}-{end - 1}",
-        }
-        if etag:
-            kwargs["IfMatch"] = etag
+    async def _get(self, name: str, **kwargs: Any) -> dict[str, Any]:
         try:
-            resp = await self.client.get_object(**kwargs)
+            return dict(await self.client.get_object(Bucket=self.bucket, Key=name, **kwargs))
         except _FOREIGN as exc:
             if _is_missing(exc):
                 raise BlockNotFound(name.removeprefix(self.prefix)) from exc
             raise _translate(exc, "get") from exc
+
+    async def read_range(self, name: str, *, start: int, end: int, etag: str | None) -> AsyncIterator[bytes]:
+        """The bytes ``[start, end)`` of the object ``name`` from one ranged GetObject, streamed."""
+        kwargs: dict[str, Any] = {"Range": f"bytes={start}-{end - 1}"}
+        if etag:
+            kwargs["IfMatch"] = etag
+        resp = await self._get(name, **kwargs)
+        async for chunk in self.stream(resp["Body"], name=name, size=end - start):
+            yield chunk
+
+    async def stream(self, body: Any, *, name: str, size: int) -> AsyncIterator[bytes]:
+        """The first ``size`` bytes of a GetObject ``body``, in whole chunks (fewer, larger sends to the client)."""
         received = 0
-        async with resp["Body"] as stream:
-            while received < end - start:
-                want = min(self._chunk, end - start - received)
-                try:  # whole chunks: fewer, larger sends to the client
+        async with body as stream:
+            while received < size:
+                want = min(self._chunk, size - received)
+                try:
                     data = await stream.content.readexactly(want)
                 except asyncio.IncompleteReadError as exc:
                     raise BackendUnavailable(
-                        f"s3 read ended after {received + len(exc.partial)} of {end - start} bytes"
+                        f"s3 read of {name} ended after {received + len(exc.partial)} of {size} bytes"
                     ) from exc
                 except _FOREIGN as exc:
                     raise _translate(exc, "read") from exc

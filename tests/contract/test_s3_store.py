@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from app.config import S3Backend
-from app.errors import BackendUnavailable
+from app.errors import BackendUnavailable, BlockNotFound
 from app.storage.s3 import DIGEST_META, S3Store
 from tests.conftest import random_bytes, sha
 from tests.gateway import free_port
@@ -126,3 +126,34 @@ async def test_outage_is_never_a_miss(tmp_path: Path) -> None:
     finally:
         await store.close()
         moto.stop()
+
+
+async def test_a_version_is_read_in_one_store_round_trip(moto_server: MotoServer) -> None:
+    """A GET of a block version costs one GetObject (no HeadObject first); other ranges one more, each."""
+    store = S3Store(cfg=backend(moto_server.url, prefix="p"), chunk_bytes=64 * 1024)
+    await store.start()
+    calls: list[str] = []
+    store.client.meta.events.register("before-call.s3", lambda model, **_: calls.append(model.name))
+    try:
+        data = random_bytes(300 * 1024, 7)
+        staged = await store.stage("k/x.bin", body(data), size=len(data))
+        await store.publish(staged)
+        calls.clear()
+        async with await store.open("k/x.bin", stamp=staged.stamp) as reader:
+            assert reader.size == len(data)
+            assert b"".join([c async for c in reader.chunks(start=0, end=len(data))]) == data
+        assert calls == ["GetObject"]
+        calls.clear()
+        async with await store.open("k/x.bin", stamp=staged.stamp) as reader:  # a range not at 0: one more GET
+            assert b"".join([c async for c in reader.chunks(start=1000, end=5000)]) == data[1000:5000]
+        assert calls == ["GetObject", "GetObject"]
+        calls.clear()
+        async with await store.open("k/x.bin", stamp=staged.stamp) as reader:  # opened, never read: closed cleanly
+            pass
+        async with await store.open("k/x.bin", stamp=staged.stamp) as reader:  # and the pool still serves
+            assert b"".join([c async for c in reader.chunks(start=0, end=100)]) == data[:100]
+        assert calls == ["GetObject", "GetObject"]
+        with pytest.raises(BlockNotFound):
+            await store.open("k/x.bin", stamp="0" * 32)
+    finally:
+        await store.close()

@@ -69,6 +69,7 @@ class Index(Scans):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.engine.dispose()
+        await asyncio.to_thread(self.close_threads)
 
     async def check(self) -> None:
         async def probe() -> None:
@@ -206,19 +207,17 @@ class Index(Scans):
         """The rows ``stmt`` selects for those of ``keys`` that exist (at most ``GET_MANY_CHUNK`` keys a query)."""
         sqlite = self._dialect != "postgresql"
 
-        async def q() -> list[Any]:
+        def q(conn: Connection) -> list[Any]:
             rows: list[Any] = []
-            async with self.engine.connect() as conn:
-                for start in range(0, len(keys), GET_MANY_CHUNK):
-                    chunk = list(keys[start : start + GET_MANY_CHUNK])
-                    if sqlite:
-                        result = await conn.exec_driver_sql(stmt, (json.dumps(chunk),))
-                    else:
-                        result = await conn.execute(stmt, {"keys": chunk})
-                    rows += result.all()
+            for start in range(0, len(keys), GET_MANY_CHUNK):
+                chunk = list(keys[start : start + GET_MANY_CHUNK])
+                if sqlite:
+                    rows += conn.exec_driver_sql(stmt, (json.dumps(chunk),)).all()
+                else:
+                    rows += conn.execute(stmt, {"keys": chunk}).all()
             return rows
 
-        return await guard(q(), "read")
+        return await self._read(q)
 
     async def get_many(self, keys: Sequence[str]) -> dict[str, BlockRecord]:
         """The rows of ``keys`` that exist."""
@@ -316,17 +315,14 @@ class Index(Scans):
     async def get_parts(self, key: str) -> list[PartRecord]:
         """The parts of ``key``, ordered by start."""
 
-        async def q() -> list[PartRecord]:
-            async with self.engine.connect() as conn:
-                rows = await conn.execute(select(Part).where(Part.key == key).order_by(Part.start))
-                return [
-                    PartRecord(
-                        key=r.key, start=r.start, end=r.end, total=r.total, digest=r.digest, store_key=r.store_key
-                    )
-                    for r in rows
-                ]
+        def q(conn: Connection) -> list[PartRecord]:
+            rows = conn.execute(select(Part).where(Part.key == key).order_by(Part.start))
+            return [
+                PartRecord(key=r.key, start=r.start, end=r.end, total=r.total, digest=r.digest, store_key=r.store_key)
+                for r in rows
+            ]
 
-        return await guard(q(), "read")
+        return await self._read(q)
 
     async def delete_parts(self, key: str) -> int:
         def run(conn: Connection) -> int:

@@ -1,21 +1,27 @@
 """The index's one writer: a group-commit task. Concurrent writes share a transaction, and each caller returns only
 after the transaction holding its change has committed; a failing change is retried alone, so the rest commit.
+
+On SQLite the transaction runs whole on the writer thread through the blocking twin engine (one hop off the event
+loop, not one per statement); hot point reads run on reader threads the same way (``_read``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import Connection
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.errors import IndexUnavailable
-from app.index.engine import WRITE_OPTION
+from app.index.engine import WRITE_OPTION, blocking_twin, guard
 
 SyncOp = Callable[[Connection], Any]
+T = TypeVar("T")
+READER_THREADS = 4
 
 
 class GroupCommit:
@@ -24,6 +30,33 @@ class GroupCommit:
         self._dialect = engine.dialect.name
         self._max_batch = max_batch
         self._queue: asyncio.Queue[tuple[SyncOp, asyncio.Future[Any]]] = asyncio.Queue()
+        self._twin = blocking_twin(engine)
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvgate-index-writer")
+        self._readers = concurrent.futures.ThreadPoolExecutor(READER_THREADS, thread_name_prefix="kvgate-index-read")
+
+    def close_threads(self) -> None:
+        """Let the writer and reader threads end, and close the blocking engine's connections."""
+        self._writer.shutdown(wait=True)
+        self._readers.shutdown(wait=True)
+        if self._twin is not None:
+            self._twin.dispose()
+
+    async def _read(self, fn: Callable[[Connection], T], what: str = "read") -> T:
+        """``fn(conn)`` in one read transaction: on a reader thread (SQLite), or through the async engine."""
+        twin = self._twin
+        if twin is None:
+
+            async def q() -> T:
+                async with self.engine.connect() as conn:
+                    return await conn.run_sync(fn)
+
+            return await guard(q(), what)
+
+        def blocking() -> T:
+            with twin.connect() as conn:
+                return fn(conn)
+
+        return await guard(asyncio.get_running_loop().run_in_executor(self._readers, blocking), what)
 
     async def _write(self, op: SyncOp) -> Any:
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -42,10 +75,13 @@ class GroupCommit:
             return [op(conn) for op, _ in batch]
 
         try:
-            async with self.engine.connect() as conn:
-                await conn.execution_options(**{WRITE_OPTION: True})
-                async with conn.begin():
-                    results = await conn.run_sync(run_all)
+            if self._twin is not None:
+                results = await asyncio.get_running_loop().run_in_executor(self._writer, self._blocking, run_all)
+            else:
+                async with self.engine.connect() as conn:
+                    await conn.execution_options(**{WRITE_OPTION: True})
+                    async with conn.begin():
+                        results = await conn.run_sync(run_all)
         except Exception as exc:
             if len(batch) > 1:  # isolate the failing op: the rest still commit
                 for item in batch:
@@ -60,6 +96,13 @@ class GroupCommit:
         for (_, fut), result in zip(batch, results, strict=True):
             if not fut.done():
                 fut.set_result(result)
+
+    def _blocking(self, run_all: Callable[[Connection], list[Any]]) -> list[Any]:
+        assert self._twin is not None
+        with self._twin.connect() as conn:
+            conn = conn.execution_options(**{WRITE_OPTION: True})
+            with conn.begin():
+                return run_all(conn)
 
     def _insert(self, table: Any) -> Any:
         """An INSERT of the index's dialect (both have ON CONFLICT, which the portable insert lacks)."""

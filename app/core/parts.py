@@ -15,6 +15,7 @@ that finds the parts gone while reading checks that the object was published by 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import uuid
@@ -110,19 +111,18 @@ class PartAssembler:
         self, key: BlockKey, body: AsyncIterable[bytes], *, span: ByteSpan, part_digest: str | None
     ) -> PartOutcome:
         path = key.path
-        existing = await self.index.get(path)
+        existing, parts = await self.index.part_state(path)
         if existing is not None:
             return await self._already_complete(path, existing.size, existing.digest, body, span, part_digest)
-        _check_against(await self.index.get_parts(path), span, part_digest)  # fail fast, before any byte is kept
+        _check_against(parts, span, part_digest)  # fail fast, before any byte is kept
         store_key = f"{PARTS_PREFIX}{path}/{span.start}-{span.end}.{uuid.uuid4().hex}"
         stored = await self.store.put(store_key, body, size=span.size, expected_digest=part_digest)
         keep = False
         try:
             async with self._lock(path):
-                existing = await self.index.get(path)
+                existing, parts = await self.index.part_state(path)
                 if existing is not None:  # completed by another writer while our bytes streamed
                     return PartOutcome(path, span, stored.digest, True, False, existing.digest)
-                parts = await self.index.get_parts(path)
                 same = _check_against(parts, span, stored.digest)
                 if same is None:
                     record = PartRecord(
@@ -133,11 +133,12 @@ class PartAssembler:
                         digest=stored.digest,
                         store_key=store_key,
                     )
-                    if not await self.index.add_part(record):  # another replica recorded this start first
+                    recorded = await self.index.add_part(record)
+                    if recorded is None:  # another replica recorded this start first
                         raise Conflict(f"a part starting at byte {span.start} was recorded concurrently")
                     keep = True
                     self._usage(key.namespace, 0, span.size)
-                    parts = await self.index.get_parts(path)
+                    parts = recorded
                 if not covers(parts, span.total):
                     return PartOutcome(path, span, stored.digest, False, same is None, None)
                 digest = await self._assemble(key, parts, span.total)
@@ -204,7 +205,5 @@ class PartAssembler:
         if removed:
             with contextlib.suppress(InvalidKey):
                 self._usage(parse_block_key(path).namespace, 0, -sum(p.end - p.start for p in parts))
-        for part in parts:
-            with contextlib.suppress(Exception):
-                await self.store.delete(part.store_key)
+        await asyncio.gather(*(self.store.delete(part.store_key) for part in parts), return_exceptions=True)
         return removed

@@ -295,10 +295,11 @@ class Index(Scans):
 
     # -- parts of multi-part objects -------------------------------------------------------------------------
 
-    async def add_part(self, part: PartRecord) -> bool:
-        """Record a part, create-only on (key, start); False if a part already starts there."""
+    async def add_part(self, part: PartRecord) -> list[PartRecord] | None:
+        """Record a part, create-only on (key, start): the key's parts after it, or None if a part already starts
+        there (one transaction, one trip to the writer)."""
 
-        def run(conn: Connection) -> bool:
+        def run(conn: Connection) -> list[PartRecord] | None:
             ins = self._insert(Part).values(
                 key=part.key,
                 start=part.start,
@@ -308,19 +309,23 @@ class Index(Scans):
                 store_key=part.store_key,
                 created_at=time.time(),
             )
-            return bool(conn.execute(ins.on_conflict_do_nothing(index_elements=[Part.key, Part.start])).rowcount)
+            if not conn.execute(ins.on_conflict_do_nothing(index_elements=[Part.key, Part.start])).rowcount:
+                return None
+            return _parts_of(conn, part.key)
 
-        return bool(await self._write(run))
+        parts: list[PartRecord] | None = await self._write(run)
+        return parts
 
     async def get_parts(self, key: str) -> list[PartRecord]:
         """The parts of ``key``, ordered by start."""
+        return await self._read(lambda conn: _parts_of(conn, key))
 
-        def q(conn: Connection) -> list[PartRecord]:
-            rows = conn.execute(select(Part).where(Part.key == key).order_by(Part.start))
-            return [
-                PartRecord(key=r.key, start=r.start, end=r.end, total=r.total, digest=r.digest, store_key=r.store_key)
-                for r in rows
-            ]
+    async def part_state(self, key: str) -> tuple[BlockRecord | None, list[PartRecord]]:
+        """The block row of ``key`` (None: not complete) and its parts, read together in one transaction."""
+
+        def q(conn: Connection) -> tuple[BlockRecord | None, list[PartRecord]]:
+            row = conn.execute(select(Block).where(Block.key == key)).first()
+            return (None if row is None else block_record(row)), _parts_of(conn, key)
 
         return await self._read(q)
 
@@ -329,3 +334,11 @@ class Index(Scans):
             return int(conn.execute(delete(Part).where(Part.key == key)).rowcount)
 
         return int(await self._write(run))
+
+
+def _parts_of(conn: Connection, key: str) -> list[PartRecord]:
+    rows = conn.execute(select(Part).where(Part.key == key).order_by(Part.start))
+    return [
+        PartRecord(key=r.key, start=r.start, end=r.end, total=r.total, digest=r.digest, store_key=r.store_key)
+        for r in rows
+    ]

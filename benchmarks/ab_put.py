@@ -5,7 +5,8 @@
 The base revision is checked out (``git worktree add --detach``) into a temp dir and served by this venv's python
 (its dependencies must be compatible); each round starts a fresh gateway of each tree on an empty data dir and runs
 one ``kvgate bench --phases put`` (2 MiB blocks, every key new) against it, then the same for GET. Client and server
-share this machine's cores, so only the ratio within the run means much.
+share this machine's cores, so only the ratio within the run means much; the server's CPU time per request (from
+/proc) is the steadier figure on a noisy machine.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def main() -> None:
         subprocess.run(["git", "worktree", "add", "--detach", str(base), args.base], cwd=REPO, check=True)
         env = {"KVGATE_BACKEND__KIND": "fs", "KVGATE_BACKEND__FSYNC": "true" if args.fsync else "false"}
         results: dict[str, dict[str, list[float]]] = {"base": {"put": [], "get": []}, "this": {"put": [], "get": []}}
+        cpu: dict[str, dict[str, list[float]]] = {"base": {"put": [], "get": []}, "this": {"put": [], "get": []}}
         try:
             for rnd in range(args.rounds):
                 for name, tree in (("base", base), ("this", REPO)):
@@ -54,6 +56,7 @@ def main() -> None:
                                 pids=pids,
                             )
                             results[name][op].append(float(r["mb_s"]))
+                            cpu[name][op].append(float(r["server_cpu_ms"]))
                     finally:
                         gw.stop()
         finally:
@@ -62,7 +65,10 @@ def main() -> None:
     for op in ("put", "get"):
         b, t = statistics.median(results["base"][op]), statistics.median(results["this"][op])
         print(f"{op.upper():4} base {args.base}: {b:7.1f} MB/s   this tree: {t:7.1f} MB/s   ratio {t / b:.2f}")
-        print(f"     rounds base {results['base'][op]}  this {results['this'][op]}")
+        rounds = {name: [round(x) for x in results[name][op]] for name in results}
+        print(f"     rounds base {rounds['base']}  this {rounds['this']}")
+        b, t = statistics.median(cpu["base"][op]), statistics.median(cpu["this"][op])
+        print(f"     server CPU ms per request: base {b:.2f}  this tree {t:.2f}  ratio {t / b:.2f}")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,10 @@ _HEAD_RE = re.compile(rf"(?P<namespace>{_NS})_r(?P<rank>0|[1-9][0-9]{{0,5}})")
 _TAIL_RE = re.compile(  # the hash's even length is checked apart: a repeated group costs the match 2x
     r"(?P<d1>[0-9a-f]{3})/(?P<d2>[0-9a-f]{2})_g(?P<group>0|[1-9][0-9]{0,9})/(?P<hash>[0-9a-f]{16,128})\.bin"
 )
+_LINES_RE = re.compile(  # the whole grammar, a key a line: a batch of keys in one pass (check_block_paths)
+    rf"^{_NS}_r(?:0|[1-9][0-9]{{0,5}})/([0-9a-f]{{3}})/([0-9a-f]{{2}})_g(0|[1-9][0-9]{{0,9}})/([0-9a-f]{{16,128}})\.bin$",
+    re.MULTILINE,
+)
 _HEADS: dict[str, tuple[str, int]] = {}
 _MAX_HEADS = 4096
 _CONFIG_RE = re.compile(rf"(?P<namespace>{_NS})/config\.json")
@@ -88,6 +92,26 @@ def parse_block_key(path: str) -> BlockKey:
     if group >= 2**32:
         raise InvalidKey("group index out of range")
     return BlockKey(namespace=ns_rank[0], rank=ns_rank[1], group=group, block_hash=block_hash)
+
+
+def check_block_paths(paths: Sequence[str]) -> None:
+    """Raise ``InvalidKey`` unless every path is a block path (``parse_block_key`` would accept each): one regex pass
+    over the batch, a few comparisons a key; on a failure the first bad path is parsed alone for its message."""
+    joined = "\n".join(paths)
+    ok = joined.count("\n") == len(paths) - 1 if paths else True
+    if ok and paths and max(map(len, paths)) > MAX_KEY_LEN:
+        ok = False
+    if ok:
+        found = _LINES_RE.findall(joined) if paths else []
+        ok = len(found) == len(paths)
+        for d1, d2, group, block_hash in found if ok else ():
+            if d1 != block_hash[:3] or d2 != block_hash[3:5] or len(block_hash) % 2 or int(group) >= 2**32:
+                ok = False
+                break
+    if not ok:
+        for path in paths:
+            parse_block_key(path)
+        raise InvalidKey("not a batch of block keys")  # unreachable while the two checks agree (tests hold them)
 
 
 def parse_namespace(name: str) -> str:

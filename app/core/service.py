@@ -47,6 +47,7 @@ from app.storage.base import BodyChecker, Staged
 from connector.protocol import (
     BlockKey,
     InvalidKey,
+    check_block_paths,
     check_namespace_fields,
     config_path,
     parse_block_key,
@@ -321,8 +322,10 @@ class BlockService(Removal):
 
     async def lookup(self, paths: list[str]) -> tuple[int, list[tuple[int, str] | None]]:
         """Length of the longest present prefix of ``paths``, and each path's (size, digest) (None: absent)."""
-        for p in paths:
-            parse_key(p)  # a path that parses is its own canonical form: the index is asked for the paths as sent
+        try:  # a path that parses is its own canonical form: the index is asked for the paths as sent
+            check_block_paths(paths)
+        except InvalidKey as exc:
+            raise InvalidRequest(str(exc)) from exc
         found = await self.index.sizes_many(paths)
         slots = [found.get(p) for p in paths]
         prefix = 0

@@ -15,6 +15,7 @@ from connector.protocol import (
     InvalidKey,
     KVGroup,
     block_path,
+    check_block_paths,
     check_namespace_fields,
     config_path,
     fields_digest,
@@ -300,3 +301,33 @@ def test_a_cached_head_does_not_admit_a_bad_tail() -> None:
     for tail in ["abc/de_g0/abcdef0123456789.txt", "000/01_g0/000102.bin", "", "000/01_g0/" + "0" * 20 + ".bin"]:
         with pytest.raises(InvalidKey):
             parse_block_key(f"{head}/{tail}")
+
+
+_any_path = st.one_of(_valid_paths(), _near_paths(), st.lists(_pieces, max_size=12).map("".join))
+
+
+@settings(max_examples=800, deadline=None)
+@given(st.lists(st.one_of(_valid_paths(), _valid_paths(), _any_path), max_size=6))
+def test_batch_check_accepts_exactly_what_the_parser_accepts(paths: list[str]) -> None:
+    def parses(p: str) -> bool:
+        try:
+            parse_block_key(p)
+        except InvalidKey:
+            return False
+        return True
+
+    try:
+        check_block_paths(paths)
+        accepted = True
+    except InvalidKey:
+        accepted = False
+    assert accepted == all(parses(p) for p in paths), paths
+
+
+def test_batch_check_rejects_keys_that_hide_a_line_break() -> None:
+    good = [block_path(namespace="org_m_0123456789ab", rank=0, block_hash=bytes([i]) * 8, group=0) for i in range(3)]
+    check_block_paths(good)
+    check_block_paths([])
+    for bad in ([good[0] + "\n" + good[1]], [good[0], good[1] + "\n"], ["\n".join(good)], [good[0] + "\r"]):
+        with pytest.raises(InvalidKey):
+            check_block_paths(bad)

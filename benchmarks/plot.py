@@ -14,7 +14,7 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 4, figsize=(18, 4.2))
+    fig, axes = plt.subplots(1, 5, figsize=(22, 4.2))
     names = list(report["systems"])
     colors = {n: f"C{i}" for i, n in enumerate(names)}
     for ax, (op, title) in zip(axes[:2], [("put", "PUT 2 MiB (MB/s)"), ("get", "GET 2 MiB (MB/s)")], strict=True):
@@ -41,6 +41,14 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     axes[3].bar([c[0] for c in cpu], [c[1] for c in cpu], color=[colors[c[2]] for c in cpu])
     axes[3].set_title("server process CPU ms per 2 MiB request (c=16)")
     axes[3].tick_params(axis="x", labelsize=7)
+    lookups = [(n, at16[n]["lookup"]) for n in names if "lookup" in at16[n]]
+    keys = lookups[0][1].get("keys", 32) if lookups else 32
+    axes[4].bar(
+        [f"{n}\np50" for n, _ in lookups] + [f"{n}\np99" for n, _ in lookups],
+        [lk.get("p50_ms", 0.0) for _, lk in lookups] + [lk.get("p99_ms", 0.0) for _, lk in lookups],
+        color=[colors[n] for n, _ in lookups] * 2,
+    )
+    axes[4].set_title(f"POST /v1/lookup of {keys} keys at c=16 (ms per call)")
     for ax in axes[2:]:
         ax.grid(True, axis="y", alpha=0.3)
         ax.tick_params(axis="x", labelsize=7)

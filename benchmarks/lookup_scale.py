@@ -2,6 +2,7 @@
 
     .venv/bin/python -m benchmarks.lookup_scale                # 1M rows, baseline 10k rows
     .venv/bin/python -m benchmarks.lookup_scale --rows 200000  # quicker
+    .venv/bin/python -m benchmarks.lookup_scale --pg           # the same on PostgreSQL (Debian's postgresql)
 
 The index is filled behind the gateway's back (alembic schema, then executemany in big transactions), the
 gateway is started on it with KVGATE_RECONCILE_ON_START=false (the rows have no data files: a reconcile would drop
@@ -20,6 +21,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import httpx
@@ -57,6 +59,28 @@ def fill_index(data_dir: Path, rows: int, *, batch: int = 100_000) -> float:
         with conn:
             conn.executemany(sql, ((k, TEST_NS, digest, now + (start + j) * 1e-6, now) for j, k in enumerate(chunk)))
     conn.close()
+    return time.perf_counter() - began
+
+
+async def fill_pg(url: str, rows: int) -> float:
+    """The schema by alembic, then ``rows`` block rows by COPY; seconds taken by the copy."""
+    import asyncpg  # type: ignore[import-untyped]
+
+    from tests.services import asyncpg_dsn
+
+    await upgrade_head(url)
+    began = time.perf_counter()
+    conn = await asyncpg.connect(asyncpg_dsn(url))
+    try:
+        now = time.time()
+        records = [
+            (k, TEST_NS, 0, 0, 4096, "0" * 64, now + j * 1e-6, now, 0) for j, k in enumerate(map(key, range(rows)))
+        ]
+        cols = ["key", "namespace", "rank", "grp", "size", "digest", "created_at", "last_access", "hits"]
+        await conn.copy_records_to_table("blocks", records=records, columns=cols)
+        await conn.execute("ANALYZE blocks")
+    finally:
+        await conn.close()
     return time.perf_counter() - began
 
 
@@ -101,10 +125,16 @@ async def rate(url: str, paths: list[str], *, method: str, concurrency: int, exp
         return len(paths) / (time.perf_counter() - began)
 
 
-def measure(rows: int, *, calls: int, heads: int, concurrency: int, workdir: Path) -> dict[str, float]:
+def measure(rows: int, *, calls: int, heads: int, concurrency: int, workdir: Path, pg: Any = None) -> dict[str, float]:
     data_dir = workdir / f"rows-{rows}"
-    fill_s = fill_index(data_dir, rows)
-    gw = Gateway(data_dir, env={"KVGATE_RECONCILE_ON_START": "false", "KVGATE_LOG_LEVEL": "warning"})
+    env = {"KVGATE_RECONCILE_ON_START": "false", "KVGATE_LOG_LEVEL": "warning"}
+    if pg is None:
+        fill_s = fill_index(data_dir, rows)
+    else:
+        url = asyncio.run(pg.create_database())
+        fill_s = asyncio.run(fill_pg(url, rows))
+        env["KVGATE_DB_URL"] = url
+    gw = Gateway(data_dir, env=env)
     began = time.perf_counter()
     gw.start(timeout_s=300)
     start_s = time.perf_counter() - began
@@ -141,15 +171,33 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=200, help="lookups timed per size")
     ap.add_argument("--heads", type=int, default=5000, help="HEADs per rate measurement")
     ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--pg", action="store_true", help="index on a throwaway local PostgreSQL instead of SQLite")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="kvgate-lookup-") as tmp:
-        results = {
-            n: measure(n, calls=args.calls, heads=args.heads, concurrency=args.concurrency, workdir=Path(tmp))
-            for n in (args.baseline_rows, args.rows)
-        }
+    local = None
+    pg = None
+    if args.pg:
+        from tests.services import LocalPostgres, _pg_bindir
+
+        bindir = _pg_bindir()
+        if bindir is None:
+            raise SystemExit("no PostgreSQL binaries: apt-get install -y postgresql")
+        local = LocalPostgres(bindir)
+        pg = local.start()
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvgate-lookup-") as tmp:
+            results = {
+                n: measure(
+                    n, calls=args.calls, heads=args.heads, concurrency=args.concurrency, workdir=Path(tmp), pg=pg
+                )
+                for n in (args.baseline_rows, args.rows)
+            }
+    finally:
+        if local is not None:
+            local.stop()
     base, big = results[args.baseline_rows], results[args.rows]
     print(
-        f"\nkvgate lookup/HEAD at index scale (SQLite, {args.calls} lookups, {args.heads} HEADs, c={args.concurrency})"
+        f"\nkvgate lookup/HEAD at index scale ({'PostgreSQL' if args.pg else 'SQLite'}, {args.calls} lookups, "
+        f"{args.heads} HEADs, c={args.concurrency})"
     )
     print(f"{'metric':<22}{args.baseline_rows:>14,} rows{args.rows:>14,} rows{'ratio':>9}")
     for name in base:

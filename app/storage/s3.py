@@ -20,47 +20,24 @@ from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any
 
 import aioboto3
-import aiohttp
 from aiobotocore.config import AioConfig
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import ClientError
 
 from app.config import S3Backend
-from app.errors import BackendUnavailable, BlockNotFound, InsufficientStorage, InvalidRequest, KVGateError
+from app.errors import BackendUnavailable, BlockNotFound, InvalidRequest
 from app.storage.base import BodyChecker, ClosingReader, ObjectInfo, ObjectMeta, Staged, coalesce
+from app.storage.s3_errors import FOREIGN, NO_BUCKET_CODES, code_of, is_missing, translate
 
 log = logging.getLogger("kvgate.storage.s3")
 
 DIGEST_META = "sha256"
 """User-metadata key (x-amz-meta-sha256) holding the object's hex sha256."""
 
-_MISSING_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
-_NO_BUCKET_CODES = frozenset({"NoSuchBucket", "NotFound", "404"})
-_FULL_CODES = frozenset({"XMinioStorageFull", "InsufficientStorage"})
 VERSION_SEP = ".v"
 """A block version's object is ``<key>.v<stamp>``: every PUT writes a new object, and the index row says which
 one is current, so two writers (on one gateway or several) never write the same object, and a reader that
 opened a version reads that version to the end."""
 _VERSIONED = re.compile(r"(.+\.bin)\.v([0-9a-f]{32})")
-_FOREIGN = (BotoCoreError, ClientError, aiohttp.ClientError, asyncio.TimeoutError, OSError)
-
-
-def _code(exc: ClientError) -> str:
-    return str(exc.response.get("Error", {}).get("Code", ""))
-
-
-def _is_missing(exc: BaseException) -> bool:
-    return isinstance(exc, ClientError) and _code(exc) in _MISSING_CODES
-
-
-def _translate(exc: BaseException, what: str) -> KVGateError:
-    """A foreign failure as a domain error; callers keep the cause with ``raise ... from exc``."""
-    if isinstance(exc, ClientError):
-        code = _code(exc)
-        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        if code in _FULL_CODES or status == 507:
-            return InsufficientStorage(f"s3 {what}: the object store is full ({code})")
-        return BackendUnavailable(f"s3 {what} failed: {code or status}")
-    return BackendUnavailable(f"s3 {what} failed: {type(exc).__name__}: {exc}")
 
 
 def split_version(name: str) -> tuple[str, str | None]:
@@ -160,10 +137,10 @@ class S3Store:
             await self._client.head_bucket(Bucket=self.bucket)
             return
         except ClientError as exc:
-            if _code(exc) not in _NO_BUCKET_CODES or not self.cfg.create_bucket:
-                raise _translate(exc, f"head bucket {self.bucket!r}") from exc
-        except _FOREIGN as exc:
-            raise _translate(exc, f"head bucket {self.bucket!r}") from exc
+            if code_of(exc) not in NO_BUCKET_CODES or not self.cfg.create_bucket:
+                raise translate(exc, f"head bucket {self.bucket!r}") from exc
+        except FOREIGN as exc:
+            raise translate(exc, f"head bucket {self.bucket!r}") from exc
         kwargs: dict[str, Any] = {"Bucket": self.bucket}
         if self.cfg.region != "us-east-1":
             kwargs["CreateBucketConfiguration"] = {"LocationConstraint": self.cfg.region}
@@ -171,10 +148,10 @@ class S3Store:
             await self._client.create_bucket(**kwargs)
             log.info("created bucket %s", self.bucket)
         except ClientError as exc:
-            if _code(exc) not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):  # another replica won
-                raise _translate(exc, f"create bucket {self.bucket!r}") from exc
-        except _FOREIGN as exc:
-            raise _translate(exc, f"create bucket {self.bucket!r}") from exc
+            if code_of(exc) not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):  # another replica won
+                raise translate(exc, f"create bucket {self.bucket!r}") from exc
+        except FOREIGN as exc:
+            raise translate(exc, f"create bucket {self.bucket!r}") from exc
 
     async def close(self) -> None:
         stack, self._stack, self._client = self._stack, None, None
@@ -190,8 +167,8 @@ class S3Store:
     async def check(self) -> None:
         try:
             await self.client.head_bucket(Bucket=self.bucket)
-        except _FOREIGN as exc:
-            raise _translate(exc, "check") from exc
+        except FOREIGN as exc:
+            raise translate(exc, "check") from exc
 
     def object_key(self, key: str) -> str:
         if not key or key.startswith("/") or "\0" in key:
@@ -231,9 +208,9 @@ class S3Store:
     async def _delete_name(self, name: str) -> None:
         try:
             await self.client.delete_object(Bucket=self.bucket, Key=name)
-        except _FOREIGN as exc:
-            if not _is_missing(exc):
-                raise _translate(exc, "delete") from exc
+        except FOREIGN as exc:
+            if not is_missing(exc):
+                raise translate(exc, "delete") from exc
 
     async def _write(
         self, name: str, body: AsyncIterable[bytes], *, size: int, expected_digest: str | None
@@ -250,8 +227,8 @@ class S3Store:
             await self.client.put_object(
                 Bucket=self.bucket, Key=name, Body=bytes(buf), ContentLength=size, Metadata={DIGEST_META: meta.digest}
             )
-        except _FOREIGN as exc:
-            raise _translate(exc, "put") from exc
+        except FOREIGN as exc:
+            raise translate(exc, "put") from exc
         return meta
 
     async def _put_multipart(self, name: str, body: AsyncIterable[bytes], checker: BodyChecker) -> ObjectMeta:
@@ -262,8 +239,8 @@ class S3Store:
             created = await self.client.create_multipart_upload(
                 Bucket=self.bucket, Key=name, Metadata={DIGEST_META: announced} if announced else {}
             )
-        except _FOREIGN as exc:
-            raise _translate(exc, "create multipart upload") from exc
+        except FOREIGN as exc:
+            raise translate(exc, "create multipart upload") from exc
         upload_id = str(created["UploadId"])
         parts: list[dict[str, Any]] = []
         pending: asyncio.Task[dict[str, Any]] | None = None
@@ -289,8 +266,8 @@ class S3Store:
                 with contextlib.suppress(BaseException):
                     await pending
             await asyncio.shield(self._abort(name, upload_id))
-            if isinstance(exc, _FOREIGN):
-                raise _translate(exc, "multipart upload") from exc
+            if isinstance(exc, FOREIGN):
+                raise translate(exc, "multipart upload") from exc
             raise
         if not announced:
             await self._set_digest(name, meta.digest)
@@ -305,7 +282,7 @@ class S3Store:
     async def _abort(self, name: str, upload_id: str) -> None:
         try:
             await self.client.abort_multipart_upload(Bucket=self.bucket, Key=name, UploadId=upload_id)
-        except _FOREIGN as exc:  # its parts linger until the bucket's AbortIncompleteMultipartUpload rule
+        except FOREIGN as exc:  # its parts linger until the bucket's AbortIncompleteMultipartUpload rule
             log.warning("abort multipart upload failed key=%s upload=%s error=%s", name, upload_id, exc)
 
     async def _set_digest(self, name: str, digest: str) -> None:
@@ -318,7 +295,7 @@ class S3Store:
                 Metadata={DIGEST_META: digest},
                 MetadataDirective="REPLACE",
             )
-        except _FOREIGN as exc:  # published and correct; digest() recomputes when the metadata is absent
+        except FOREIGN as exc:  # published and correct; digest() recomputes when the metadata is absent
             log.warning("digest metadata not recorded key=%s error=%s", name, exc)
 
     async def delete(self, key: str) -> bool:
@@ -327,8 +304,8 @@ class S3Store:
             return False
         try:
             await self.client.delete_object(Bucket=self.bucket, Key=name)
-        except _FOREIGN as exc:
-            raise _translate(exc, "delete") from exc
+        except FOREIGN as exc:
+            raise translate(exc, "delete") from exc
         return True
 
     # -- reads -----------------------------------------------------------------------------------------------
@@ -336,10 +313,10 @@ class S3Store:
     async def _head(self, name: str) -> dict[str, Any] | None:
         try:
             return dict(await self.client.head_object(Bucket=self.bucket, Key=name))
-        except _FOREIGN as exc:
-            if _is_missing(exc):
+        except FOREIGN as exc:
+            if is_missing(exc):
                 return None
-            raise _translate(exc, "head") from exc
+            raise translate(exc, "head") from exc
 
     async def open(self, key: str, *, stamp: str | None = None) -> S3Reader:
         """Open the object holding version ``stamp`` of ``key``: one GetObject, whose body the first read takes (a
@@ -357,10 +334,10 @@ class S3Store:
     async def _get(self, name: str, **kwargs: Any) -> dict[str, Any]:
         try:
             return dict(await self.client.get_object(Bucket=self.bucket, Key=name, **kwargs))
-        except _FOREIGN as exc:
-            if _is_missing(exc):
+        except FOREIGN as exc:
+            if is_missing(exc):
                 raise BlockNotFound(name.removeprefix(self.prefix)) from exc
-            raise _translate(exc, "get") from exc
+            raise translate(exc, "get") from exc
 
     async def read_range(self, name: str, *, start: int, end: int, etag: str | None) -> AsyncIterator[bytes]:
         """The bytes ``[start, end)`` of the object ``name`` from one ranged GetObject, streamed."""
@@ -383,8 +360,8 @@ class S3Store:
                     raise BackendUnavailable(
                         f"s3 read of {name} ended after {received + len(exc.partial)} of {size} bytes"
                     ) from exc
-                except _FOREIGN as exc:
-                    raise _translate(exc, "read") from exc
+                except FOREIGN as exc:
+                    raise translate(exc, "read") from exc
                 received += len(data)
                 yield data
 
@@ -417,8 +394,8 @@ class S3Store:
                 page = await pages.__anext__()
             except StopAsyncIteration:
                 return
-            except _FOREIGN as exc:
-                raise _translate(exc, "list") from exc
+            except FOREIGN as exc:
+                raise translate(exc, "list") from exc
             for obj in page.get("Contents", ()):
                 key, stamp = split_version(str(obj["Key"])[len(self.prefix) :])
                 yield ObjectInfo(key=key, size=int(obj["Size"]), mtime=obj["LastModified"].timestamp(), stamp=stamp)

@@ -1,16 +1,25 @@
 """Multi-part objects: each TP rank PUTs its byte range of a canonical block with ``Content-Range``.
 
-A part's bytes go to the store under ``_parts/<key>/<start>-<end>.<uuid>`` (a key the block grammar can never
-produce: block namespaces never start with ``_parts/``), and a row goes to the ``parts`` table, create-only on
-``(key, start)``. The object stays invisible (no ``blocks`` row: HEAD/GET 404, lookup miss) until the parts cover
-``[0, total)``; the PUT that completes the cover assembles the object by streaming the parts, in order, through
-a staged version (which computes the digest), commits it through BlockService (row, then rename), then drops
-the parts. Stored part bytes count against capacity until then.
+Part data lives under ``_parts/<key>/...`` (a key the block grammar can never produce: block namespaces never start
+with ``_parts/``), and a row goes to the ``parts`` table, create-only on ``(key, start)``. The object stays
+invisible (no ``blocks`` row: HEAD/GET 404, lookup miss) until the parts cover ``[0, total)``; the PUT that
+completes the cover stages the object, commits it through BlockService (row, then publish), then drops the parts.
+Stored part bytes count against capacity until then. Two ways to keep the data:
 
-Concurrency: part data is written outside any lock (each write has its own store key, so two writers never
-clobber each other); the bookkeeping and the assembly run under BlockService's lock of the key. Across gateway replicas
+- **In place** (a store with ``write_at``/``stage_upload``: the filesystem): the parts of one object are written
+  at their offsets into one upload file, ``_parts/<key>/upload.<uuid>``, the object's own file to be. A part's body
+  is received and checked first, then written under the key's lock, only into a range no recorded part holds, and
+  recorded. The completing PUT reads the file once (each part's digest checked, the whole hashed) and stages it by
+  a hard link: the parts become the object, with no second copy of the bytes.
+- **One object per part** (S3, memory): ``_parts/<key>/<start>-<end>.<uuid>``, written outside any lock (each has
+  its own store key); the completing PUT streams them, in order and checked, through a staged version.
+
+Concurrency: the bookkeeping and the assembly run under BlockService's lock of the key. Across gateway replicas
 sharing one index a second assembler produces the same bytes (the concatenation is deterministic), and one
-that finds the parts gone while reading checks that the object was published by the other.
+that finds the parts gone while reading checks that the object was published by the other. A write into an
+upload file after its object was staged (only a replica's, racing outside this process's lock) changes the
+file's mtime, so the row's stamp no longer names it: readers get a version mismatch and repair, never a body under
+another body's digest.
 """
 
 from __future__ import annotations
@@ -21,13 +30,13 @@ import logging
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from app.core.keystate import KeyLocks
-from app.errors import BlockNotFound, Conflict, DigestMismatch, InvalidRequest, RangeNotSatisfiable
+from app.errors import BlockNotFound, Conflict, DigestMismatch, InvalidRequest, RangeNotSatisfiable, SizeMismatch
 from app.index import Index, PartRecord
 from app.storage import BlockStore
-from app.storage.base import BodyChecker, Staged
+from app.storage.base import BodyChecker, Region, Staged, UploadStore
 from connector import wire
 from connector.protocol import BlockKey, InvalidKey, parse_block_key
 from connector.wire import ByteSpan as ByteSpan  # its home before connector.wire
@@ -36,6 +45,21 @@ log = logging.getLogger("kvgate.parts")
 
 PARTS_PREFIX = "_parts/"
 """Store prefix of part data; reconcile/adopt must skip it (never a block key)."""
+UPLOAD_NAME = "upload."
+"""The last segment of an upload file's store key starts so (in-place parts: the data sits at the part's offset)."""
+
+
+def in_upload(part: PartRecord) -> bool:
+    """``part``'s bytes sit at its own offset of an upload file (else at 0 of an object of their own)."""
+    return part.store_key.rsplit("/", 1)[-1].startswith(UPLOAD_NAME)
+
+
+def one_upload(parts: list[PartRecord]) -> str | None:
+    """The upload file that holds all of ``parts``, if one does."""
+    keys = {p.store_key for p in parts}
+    if len(keys) == 1 and in_upload(parts[0]):
+        return keys.pop()
+    return None
 
 
 def parse_content_range(value: str) -> ByteSpan:
@@ -73,6 +97,13 @@ def _check_against(parts: list[PartRecord], span: ByteSpan, digest: str | None) 
     return None
 
 
+def _complete(path: str, size: int, digest: str, span: ByteSpan, part_digest: str) -> PartOutcome:
+    """The answer to a part of an object already complete (Conflict if the part says it has another size)."""
+    if size != span.total:
+        raise Conflict(f"{path!r} is complete with {size} bytes, the part says {span.total}")
+    return PartOutcome(path, span, part_digest, True, False, digest)
+
+
 def covers(parts: list[PartRecord], total: int) -> bool:
     """Do ``parts`` (ordered by start, non-overlapping) cover ``[0, total)`` exactly?"""
     pos = 0
@@ -106,10 +137,16 @@ class PartAssembler:
         self._lock = locks
         self._commit = commit
         self._usage = usage
+        self._uploads: UploadStore | None = (
+            cast(UploadStore, store) if hasattr(store, "write_at") and hasattr(store, "stage_upload") else None
+        )
+        """The store writes parts in place (see the module docstring); None: one object per part."""
 
     async def put_part(
         self, key: BlockKey, body: AsyncIterable[bytes], *, span: ByteSpan, part_digest: str | None
     ) -> PartOutcome:
+        if self._uploads is not None:
+            return await self._put_in_place(key, body, span=span, part_digest=part_digest)
         path = key.path
         existing, parts = await self.index.part_state(path)
         if existing is not None:
@@ -123,30 +160,63 @@ class PartAssembler:
                 existing, parts = await self.index.part_state(path)
                 if existing is not None:  # completed by another writer while our bytes streamed
                     return PartOutcome(path, span, stored.digest, True, False, existing.digest)
-                same = _check_against(parts, span, stored.digest)
-                if same is None:
-                    record = PartRecord(
-                        key=path,
-                        start=span.start,
-                        end=span.end,
-                        total=span.total,
-                        digest=stored.digest,
-                        store_key=store_key,
-                    )
-                    recorded = await self.index.add_part(record)
-                    if recorded is None:  # another replica recorded this start first
-                        raise Conflict(f"a part starting at byte {span.start} was recorded concurrently")
-                    keep = True
-                    self._usage(key.namespace, 0, span.size)
-                    parts = recorded
-                if not covers(parts, span.total):
-                    return PartOutcome(path, span, stored.digest, False, same is None, None)
-                digest = await self._assemble(key, parts, span.total)
-                return PartOutcome(path, span, stored.digest, True, same is None, digest)
+                outcome, keep = await self._record(key, span, stored.digest, store_key, parts)
+                return outcome
         finally:
             if not keep:
                 with contextlib.suppress(Exception):
                     await self.store.delete(store_key)
+
+    async def _put_in_place(
+        self, key: BlockKey, body: AsyncIterable[bytes], *, span: ByteSpan, part_digest: str | None
+    ) -> PartOutcome:
+        """Receive and check the part's body, then, under the key's lock, write it into the object's upload file
+        (one index read and one write per part)."""
+        assert self._uploads is not None
+        checker = BodyChecker(size=span.size, expected_digest=part_digest)
+        pieces: list[bytes] = []
+        async for chunk in body:  # a part is a block's 1/tp: held in memory until its range is known to be free
+            checker.update(chunk)
+            pieces.append(chunk)
+        digest = checker.finish().digest
+        path = key.path
+        async with self._lock(path):
+            existing, parts = await self.index.part_state(path)
+            if existing is not None:  # complete: by an earlier writer, or by another while our bytes arrived
+                return _complete(path, existing.size, existing.digest, span, digest)
+            if _check_against(parts, span, digest) is not None:  # the same part again: nothing is written
+                return (await self._record(key, span, digest, "", parts))[0]
+            upload = one_upload(parts) if parts else f"{PARTS_PREFIX}{path}/{UPLOAD_NAME}{uuid.uuid4().hex}"
+            if upload is None:  # parts kept one object each (written before in-place parts): keep to that
+                upload = f"{PARTS_PREFIX}{path}/{span.start}-{span.end}.{uuid.uuid4().hex}"
+                await self.store.put(upload, _replay(pieces), size=span.size, expected_digest=digest)
+            else:
+                await self._uploads.write_at(upload, span.start, pieces)
+            outcome, _ = await self._record(key, span, digest, upload, parts)
+            return outcome
+
+    async def _record(
+        self, key: BlockKey, span: ByteSpan, digest: str, store_key: str, parts: list[PartRecord]
+    ) -> tuple[PartOutcome, bool]:
+        """Record the stored part (the caller holds the key's lock and has just read ``parts``, the key's parts)
+        and assemble the object if it is now covered; the outcome, and whether the index now keeps the part."""
+        path = key.path
+        same = _check_against(parts, span, digest)
+        keep = False
+        if same is None:
+            record = PartRecord(
+                key=path, start=span.start, end=span.end, total=span.total, digest=digest, store_key=store_key
+            )
+            recorded = await self.index.add_part(record)
+            if recorded is None:  # another replica recorded this start first
+                raise Conflict(f"a part starting at byte {span.start} was recorded concurrently")
+            keep = True
+            self._usage(key.namespace, 0, span.size)
+            parts = recorded
+        if not covers(parts, span.total):
+            return PartOutcome(path, span, digest, False, same is None, None), keep
+        total = await self._assemble(key, parts, span.total)
+        return PartOutcome(path, span, digest, True, same is None, total), keep
 
     async def _already_complete(
         self,
@@ -162,14 +232,22 @@ class PartAssembler:
         checker = BodyChecker(size=span.size, expected_digest=part_digest)
         async for chunk in body:
             checker.update(chunk)
-        meta = checker.finish()
-        return PartOutcome(path, span, meta.digest, True, False, digest)
+        return _complete(path, size, digest, span, checker.finish().digest)
 
     async def _assemble(self, key: BlockKey, parts: list[PartRecord], total: int) -> str:
         """Concatenate the parts into a staged version and commit it (the caller holds the key's lock)."""
         path = key.path
+        upload = one_upload(parts) if self._uploads is not None else None
         try:
-            staged = await self.store.stage(path, self._concat(parts), size=total)
+            if upload is not None and self._uploads is not None:  # the parts become the object: no copy
+                regions = [Region(p.start, p.end, p.digest) for p in parts]
+                try:
+                    staged = await self._uploads.stage_upload(upload, path, regions, total)
+                except (DigestMismatch, SizeMismatch) as exc:
+                    log.error("upload is corrupt key=%s: %s", path, exc)
+                    raise Conflict(f"stored parts are corrupt ({exc}); re-send them") from exc
+            else:
+                staged = await self.store.stage(path, self._concat(parts), size=total)
         except Conflict:  # a stored part is corrupt: drop them all, the writers send them again next time
             await self.drop(path, parts)
             raise
@@ -186,9 +264,10 @@ class PartAssembler:
     async def _concat(self, parts: list[PartRecord]) -> AsyncIterator[bytes]:
         for part in parts:
             checker = BodyChecker(size=part.end - part.start, expected_digest=part.digest)
+            at = part.start if in_upload(part) else 0
             async with await self.store.open(part.store_key) as reader:
                 try:
-                    async for chunk in reader.chunks(start=0, end=reader.size):
+                    async for chunk in reader.chunks(start=at, end=at + part.end - part.start):
                         checker.update(chunk)
                         yield chunk
                     checker.finish()
@@ -205,5 +284,11 @@ class PartAssembler:
         if removed:
             with contextlib.suppress(InvalidKey):
                 self._usage(parse_block_key(path).namespace, 0, -sum(p.end - p.start for p in parts))
-        await asyncio.gather(*(self.store.delete(part.store_key) for part in parts), return_exceptions=True)
+        stored = {part.store_key for part in parts}  # in place: one upload file holds them all
+        await asyncio.gather(*(self.store.delete(store_key) for store_key in stored), return_exceptions=True)
         return removed
+
+
+async def _replay(pieces: list[bytes]) -> AsyncIterator[bytes]:
+    for piece in pieces:
+        yield piece

@@ -124,6 +124,28 @@ class BlockStore(Protocol):
         """Read the object back and compute its metadata (used by reconcile/adopt)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Region:
+    """``[start, end)`` of an upload file, whose bytes must hash to ``digest`` (one part of a multi-part object)."""
+
+    start: int
+    end: int
+    digest: str
+
+
+class UploadStore(Protocol):
+    """A store that can write the parts of one object into the object's own file (the filesystem): the parts then
+    become the object, with no second copy (app/core/parts.py). Stores without it keep one object per part."""
+
+    async def write_at(self, key: str, offset: int, pieces: list[bytes]) -> None:
+        """Write ``pieces`` at ``offset`` of upload ``key`` (created if missing), durably if the store fsyncs."""
+
+    async def stage_upload(self, key: str, target: str, regions: list[Region], total: int) -> Staged:
+        """Stage upload ``key`` as a version of block ``target`` without copying it: the upload must be ``total``
+        bytes and each region must hash to its digest (else DigestMismatch), and the whole is hashed for the
+        version's digest. The upload itself stays until deleted."""
+
+
 class BodyChecker:
     """Counts and hashes a body as it streams, raising before the store publishes anything that is wrong."""
 

@@ -9,6 +9,7 @@ its stamp (inode and mtime), which the row records, so a file that is not the ro
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import time
 import uuid
@@ -18,8 +19,16 @@ from typing import TypeVar
 
 import anyio.to_thread
 
-from app.errors import BackendUnavailable, BlockNotFound, InsufficientStorage, InvalidRequest, VersionMismatch
-from app.storage.base import BodyChecker, ClosingReader, ObjectInfo, ObjectMeta, Staged
+from app.errors import (
+    BackendUnavailable,
+    BlockNotFound,
+    DigestMismatch,
+    InsufficientStorage,
+    InvalidRequest,
+    SizeMismatch,
+    VersionMismatch,
+)
+from app.storage.base import BodyChecker, ClosingReader, ObjectInfo, ObjectMeta, Region, Staged
 
 TEMP_PREFIX = ".kvgate-tmp-"
 T = TypeVar("T")
@@ -53,6 +62,27 @@ def written_before(stamp: str, other: str | None) -> bool:
         return int(stamp.split(":")[1]) < int((other or "").split(":")[1])
     except (IndexError, ValueError):
         return False
+
+
+def _write_all(fd: int, pieces: list[bytes], offset: int | None) -> None:
+    """All of ``pieces`` in one writev (at the file position) or pwritev (at ``offset``), short writes resumed."""
+    views = [memoryview(p) for p in pieces]
+    while views:
+        written = os.writev(fd, views) if offset is None else os.pwritev(fd, views, offset)
+        if offset is not None:
+            offset += written
+        while views and written >= len(views[0]):
+            written -= len(views.pop(0))
+        if views and written:
+            views[0] = views[0][written:]
+
+
+def _fsync_dir(path: Path) -> None:
+    dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
 
 
 async def batched(body: AsyncIterable[bytes], *, chunk_bytes: int, max_pieces: int = 512) -> AsyncIterator[list[bytes]]:
@@ -164,13 +194,7 @@ class FilesystemStore:
             # the network chunks go down as one writev: hashed and written in place, never joined (no copy)
             for piece in pieces:
                 checker.update(piece)
-            views = [memoryview(p) for p in pieces]
-            while views:
-                written = os.writev(fd, views)
-                while views and written >= len(views[0]):
-                    written -= len(views.pop(0))
-                if views and written:
-                    views[0] = views[0][written:]
+            _write_all(fd, pieces, None)
 
         fd = -1
 
@@ -209,6 +233,74 @@ class FilesystemStore:
             tmp.unlink(missing_ok=True)
             raise
 
+    # -- uploads: the parts of one object written into the object's own file ---------------------------------
+
+    async def write_at(self, key: str, offset: int, pieces: list[bytes]) -> None:
+        """Write ``pieces`` at ``offset`` of upload file ``key`` (created if missing; fsynced if the store fsyncs).
+        The caller orders writes to one upload (app/core/parts.py: under the key's lock, checked regions only)."""
+        path = self.path_of(key)
+
+        def run() -> None:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC
+            try:
+                fd = os.open(path, flags, 0o644)
+            except FileNotFoundError:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(path, flags, 0o644)
+            try:
+                _write_all(fd, pieces, offset)
+                if self._fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+
+        await _io(run, what="write")
+
+    async def stage_upload(self, key: str, target: str, regions: list[Region], total: int) -> Staged:
+        """Stage upload file ``key`` as a version of ``target`` by a hard link beside ``target``'s file (no copy):
+        one read pass checks each region's digest and hashes the whole. The link is what ``publish`` renames and
+        ``discard`` drops; the upload's own name stays until ``delete``, so a failed commit loses no part."""
+        src = self.path_of(key)
+        final = self.path_of(target)
+        tmp = final.parent / f"{TEMP_PREFIX}{uuid.uuid4().hex}"
+
+        def run() -> Staged:
+            fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                if os.fstat(fd).st_size != total:
+                    raise SizeMismatch(f"upload holds {os.fstat(fd).st_size} bytes of {total}")
+                whole = hashlib.sha256()
+                for region in regions:
+                    part = hashlib.sha256()
+                    pos = region.start
+                    while pos < region.end:
+                        data = os.pread(fd, min(self._chunk, region.end - pos), pos)
+                        if not data:
+                            raise SizeMismatch("upload shrank while being read")
+                        part.update(data)
+                        whole.update(data)
+                        pos += len(data)
+                    if part.hexdigest() != region.digest:
+                        raise DigestMismatch(f"bytes {region.start}-{region.end - 1} are not the part recorded")
+                if self._fsync:
+                    os.fsync(fd)
+                st = os.fstat(fd)
+            finally:
+                os.close(fd)
+            try:
+                os.link(src, tmp)
+            except FileNotFoundError:
+                final.parent.mkdir(parents=True, exist_ok=True)
+                os.link(src, tmp)
+            return Staged(
+                key=target, meta=ObjectMeta(size=total, digest=whole.hexdigest()), stamp=stamp_of(st), handle=tmp
+            )
+
+        try:
+            return await _io(run, what="stage upload")
+        except FileNotFoundError as exc:
+            raise BlockNotFound(key) from exc
+
     async def publish(self, staged: Staged) -> None:
         """Rename the staged file over the key's file (atomic), then fsync the directory."""
         tmp = Path(str(staged.handle))
@@ -217,11 +309,7 @@ class FilesystemStore:
         def rename() -> None:
             os.replace(tmp, final)
             if self._fsync:
-                dfd = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY)
-                try:
-                    os.fsync(dfd)
-                finally:
-                    os.close(dfd)
+                _fsync_dir(final.parent)
 
         await _io(rename, what="publish")
 

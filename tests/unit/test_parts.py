@@ -195,3 +195,39 @@ async def test_purge_drops_incomplete_uploads(fs_gw: Gateway, tmp_path: Path) ->
     assert (await fs_gw.client.delete(f"/v1/namespaces/{ns}")).status_code == 200
     assert part_files(tmp_path) == []
     assert (await fs_gw.stats())["usage_bytes"] == 0
+
+
+async def test_in_place_parts_become_the_object_without_a_copy(fs_gw: Gateway, tmp_path: Path) -> None:
+    """On the filesystem the parts are written into the object's own file: the block published is that file."""
+    key, blob = key_for(50), random_bytes(4 * 4096, seed=50)
+    for start in (8192, 0, 12288):
+        assert (await put_part(fs_gw.client, key, blob, start, start + 4096)).status_code == 202
+    (upload,) = part_files(tmp_path)  # one file holds every part, each at its own offset
+    assert upload.name.startswith("upload.")
+    assert upload.read_bytes()[8192:12288] == blob[8192:12288]
+    inode = upload.stat().st_ino
+    r = await put_part(fs_gw.client, key, blob, 4096, 8192)
+    assert r.status_code == 201 and r.headers["etag"] == f'"{sha(blob)}"'
+    final = tmp_path / "blocks" / key
+    assert final.stat().st_ino == inode and final.stat().st_nlink == 1  # the same bytes on disk, not a copy
+    assert part_files(tmp_path) == []
+    got = await fs_gw.client.get(f"/v1/blocks/{key}")
+    assert got.content == blob and got.headers["etag"] == f'"{sha(blob)}"'
+    assert (await fs_gw.stats())["usage_bytes"] == len(blob)
+
+
+@pytest.mark.parametrize("first_in_place", [False, True], ids=["object-per-part-first", "upload-first"])
+async def test_parts_kept_either_way_assemble_together(fs_gw: Gateway, tmp_path: Path, first_in_place: bool) -> None:
+    """An upload begun by a gateway that kept one object per part (or finished by one) still assembles right."""
+    key, blob = key_for(51), random_bytes(3 * 1000, seed=51)
+    assembler = fs_gw.service.parts
+    uploads = assembler._uploads
+    assert uploads is not None
+    for i, start in enumerate((0, 2000, 1000)):
+        assembler._uploads = uploads if (i == 0) == first_in_place else None
+        r = await put_part(fs_gw.client, key, blob, start, start + 1000)
+        assert r.status_code == (201 if i == 2 else 202), r.text
+    assembler._uploads = uploads
+    got = await fs_gw.client.get(f"/v1/blocks/{key}")
+    assert got.status_code == 200 and got.content == blob and got.headers["etag"] == f'"{sha(blob)}"'
+    assert part_files(tmp_path) == []

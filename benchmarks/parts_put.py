@@ -86,6 +86,7 @@ def main() -> None:
     whole: list[float] = []
     parts: list[float] = []
     cpu: dict[int, list[float]] = {1: [], args.ranks: []}
+    client: dict[int, list[float]] = {1: [], args.ranks: []}
     with tempfile.TemporaryDirectory(prefix="kvgate-parts-") as tmp:
         gw = Gateway(Path(tmp) / "data", env=env).start()
         try:
@@ -95,10 +96,11 @@ def main() -> None:
                     work = [(key_for(n + i), os.urandom(args.size)) for i in range(args.count)]
                     n += args.count
                     pids = [gw.proc.pid] if gw.proc else []
-                    before = cpu_ticks(pids)
+                    before, mine = cpu_ticks(pids), time.process_time()
                     out.append(asyncio.run(rate(gw.url, work, concurrency=args.concurrency, ranks=ranks)))
                     used = (cpu_ticks(pids) - before) / os.sysconf("SC_CLK_TCK")
                     cpu[ranks].append(1000 * used / args.count)  # with the GET that checks each object
+                    client[ranks].append(1000 * (time.process_time() - mine) / args.count)
         finally:
             gw.stop()
     w, p = statistics.median(whole), statistics.median(parts)
@@ -110,6 +112,8 @@ def main() -> None:
     print(f"ratio parts/whole   {p / w:8.2f}")
     cw, cp = statistics.median(cpu[1]), statistics.median(cpu[args.ranks])
     print(f"server CPU ms per object (its PUTs and one checking GET): one PUT {cw:.1f}, {args.ranks} parts {cp:.1f}")
+    kw, kp = statistics.median(client[1]), statistics.median(client[args.ranks])
+    print(f"client CPU ms per object (this process, the same requests):  one PUT {kw:.1f}, {args.ranks} parts {kp:.1f}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 
 Needs Debian's nginx (``apt-get install -y nginx``: its binary has the dav module built in); CI does not run this.
 Starts nginx (one worker, no daemon, its own temp config/root/pid/logs) and kvgate on the filesystem backend
-(``python -m app serve``), optionally kvgate on S3 against moto's server, then runs ``kvgate bench`` (one client
+(``python -m app serve``) with block fsync off (nginx never fsyncs) and, for PUT only, with it on (the default: what a
+durable PUT costs), optionally kvgate on S3 against moto's server, then runs ``kvgate bench`` (one client
 process) against each for 2 MiB PUT/GET at concurrency 1, 16, 64 and HEAD, and prints kvgate/nginx ratios.
 Client and servers share this machine's cores: the figures say how many there were.
 """
@@ -174,13 +175,17 @@ def main() -> None:
         nginx = Nginx(work / "nginx").start()
         started.append(nginx)
         fs_env = {"KVGATE_BACKEND__KIND": "fs", "KVGATE_BACKEND__FSYNC": "false"}
-        for d in ("kvgate", "kvgate-s3"):
+        for d in ("kvgate", "kvgate-fsync", "kvgate-s3"):
             (work / d).mkdir()
         gw = Gateway(work / "kvgate" / "data", env=fs_env).start()
         started.append(gw)
+        # the default: each block file and its directory fsynced before the PUT answers (nginx has no such mode)
+        gw_durable = Gateway(work / "kvgate-fsync" / "data", env={**fs_env, "KVGATE_BACKEND__FSYNC": "true"}).start()
+        started.append(gw_durable)
         targets: list[tuple[str, str, str, list[int]]] = [
             ("nginx", nginx.url, "webdav", nginx.pids()),
             ("kvgate-fs", gw.url, "kvgate", gateway_pids(gw)),
+            ("kvgate-fs-fsync", gw_durable.url, "kvgate", gateway_pids(gw_durable)),
         ]
         if not args.no_s3:
             try:
@@ -198,7 +203,9 @@ def main() -> None:
                 for name, url, target, pids in targets:
                     n_run = n // 2 if name.startswith("kvgate-s3") else n  # moto keeps objects in its own memory
                     phases = ["put", "get"] + ([f"head:{n_head}"] if c == 16 else [])
-                    if target == "kvgate" and c == 16:
+                    if name == "kvgate-fs-fsync":
+                        phases = ["put"]  # what a durable PUT costs; its reads are kvgate-fs's
+                    elif target == "kvgate" and c == 16:
                         phases.append(f"lookup:{int(1000 * scale)}")
                     print(f"  round {r + 1} {name:>16} c={c:<3} {','.join(phases)} ...", flush=True)
                     best = systems.setdefault(name, {}).setdefault(c, {})

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import aioboto3
-import httpx
+import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -64,8 +64,10 @@ async def run(*, blocks: int, size: int, concurrency: int, rounds: int) -> None:
                     aws_access_key_id=S3_CREDS["access_key_id"],
                     aws_secret_access_key=S3_CREDS["secret_access_key"],
                 ) as s3,
-                httpx.AsyncClient(
-                    base_url=gw.url, timeout=120, limits=httpx.Limits(max_connections=concurrency)
+                aiohttp.ClientSession(  # the client the connector uses (and the one aioboto3 runs on)
+                    base_url=gw.url,
+                    connector=aiohttp.TCPConnector(limit=concurrency),
+                    timeout=aiohttp.ClientTimeout(total=120),
                 ) as http,
             ):
                 await s3.create_bucket(Bucket="bench-direct")
@@ -80,26 +82,27 @@ async def run(*, blocks: int, size: int, concurrency: int, rounds: int) -> None:
                         got["direct"][i] = await body.read()
 
                 async def g_put(i: int) -> None:
-                    r = await http.put(
+                    async with http.put(
                         f"/v1/blocks/{block_key(i)}",
-                        content=payloads[i],
+                        data=payloads[i],
                         headers={"X-KVGate-SHA256": hashlib.sha256(payloads[i]).hexdigest()},
-                    )
-                    if r.status_code not in (200, 201):
-                        raise RuntimeError(f"gateway PUT {r.status_code}: {r.text}")
+                    ) as r:
+                        if r.status not in (200, 201):
+                            raise RuntimeError(f"gateway PUT {r.status}: {await r.text()}")
 
                 async def g_get(i: int) -> None:
-                    r = await http.get(f"/v1/blocks/{block_key(i)}")
-                    if r.status_code != 200:
-                        raise RuntimeError(f"gateway GET {r.status_code}: {r.text}")
-                    got["gateway"][i] = r.content
+                    async with http.get(f"/v1/blocks/{block_key(i)}") as r:
+                        if r.status != 200:
+                            raise RuntimeError(f"gateway GET {r.status}: {await r.text()}")
+                        got["gateway"][i] = await r.read()
 
                 best: dict[tuple[str, str], float] = {}
                 for rnd in range(rounds):
                     for way, put, get in (("direct", d_put, d_get), ("gateway", g_put, g_get)):
                         if rnd > 0 and way == "gateway":  # a re-put of identical bytes is a no-op: delete first
                             for i in range(blocks):
-                                await http.delete(f"/v1/blocks/{block_key(i)}")
+                                async with http.delete(f"/v1/blocks/{block_key(i)}") as r:
+                                    r.raise_for_status()
                         for op, fn in (("PUT", put), ("GET", get)):
                             secs = await timed(blocks, concurrency, fn)
                             mbps = blocks * size / MB / secs

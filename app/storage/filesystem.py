@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import shutil
 import time
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator, Callable
@@ -83,6 +84,35 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(dfd)
     finally:
         os.close(dfd)
+
+
+NO_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK)
+"""errnos of a filesystem (or a file) that takes no more hard links."""
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """Hard-link ``src`` as ``dst``; where the filesystem has no hard links, copy it (in the kernel where it can)."""
+    try:
+        os.link(src, dst)
+        return
+    except OSError as exc:
+        if exc.errno not in NO_LINKS:
+            raise
+    with open(src, "rb") as fin, open(dst, "xb") as fout:
+        left = os.fstat(fin.fileno()).st_size
+        while left > 0:
+            try:
+                n = os.copy_file_range(fin.fileno(), fout.fileno(), left)
+            except OSError:
+                n = 0
+            if n <= 0:  # not offered here: the rest by read and write
+                fin.seek(os.fstat(fin.fileno()).st_size - left)
+                fout.seek(0, os.SEEK_END)
+                shutil.copyfileobj(fin, fout)
+                break
+            left -= n
+        fout.flush()
+        os.fsync(fout.fileno())
 
 
 async def batched(body: AsyncIterable[bytes], *, chunk_bytes: int, max_pieces: int = 512) -> AsyncIterator[list[bytes]]:
@@ -288,10 +318,12 @@ class FilesystemStore:
             finally:
                 os.close(fd)
             try:
-                os.link(src, tmp)
+                _link_or_copy(src, tmp)
             except FileNotFoundError:
                 final.parent.mkdir(parents=True, exist_ok=True)
-                os.link(src, tmp)
+                _link_or_copy(src, tmp)
+            if not os.path.samefile(src, tmp):  # copied: the copy is the version, with a stamp of its own
+                st = os.stat(tmp)
             return Staged(
                 key=target, meta=ObjectMeta(size=total, digest=whole.hexdigest()), stamp=stamp_of(st), handle=tmp
             )

@@ -231,3 +231,23 @@ async def test_parts_kept_either_way_assemble_together(fs_gw: Gateway, tmp_path:
     got = await fs_gw.client.get(f"/v1/blocks/{key}")
     assert got.status_code == 200 and got.content == blob and got.headers["etag"] == f'"{sha(blob)}"'
     assert part_files(tmp_path) == []
+
+
+async def test_in_place_parts_on_a_filesystem_without_hard_links(
+    fs_gw: Gateway, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the data root takes no hard links the upload is copied into place: same answers, nothing left over."""
+    import errno
+
+    import app.storage.filesystem as fs
+
+    def no_link(src: object, dst: object) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(fs.os, "link", no_link)
+    key, blob = key_for(52), random_bytes(3 * 1000, seed=52)
+    for i, start in enumerate((1000, 0, 2000)):
+        assert (await put_part(fs_gw.client, key, blob, start, start + 1000)).status_code == (201 if i == 2 else 202)
+    got = await fs_gw.client.get(f"/v1/blocks/{key}")
+    assert got.status_code == 200 and got.content == blob and got.headers["etag"] == f'"{sha(blob)}"'
+    assert part_files(tmp_path) == [] and (tmp_path / "blocks" / key).read_bytes() == blob

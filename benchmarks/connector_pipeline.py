@@ -1,10 +1,11 @@
 """Blocks/s and MB/s of the connector's CPU store and load pipelines against a running kvgate.
 
-    .venv/bin/python -m benchmarks.connector_pipeline [--blocks 96] [--layers 32]
+    .venv/bin/python -m benchmarks.connector_pipeline [--blocks 96] [--layers 32] [--busy 1]
 
 Synthetic model: ``--layers`` layers, 8 KV heads, head 128, block 16, bf16 (2 MiB canonical blocks at 32 layers).
 Cells: TP=1 store (gather -> PUT) and load (GET -> scatter); TP=4 store as parts (4 writer ranks) and a TP=1 load
 of the assembled objects; and, as the baseline in the same run, bare BlockClient PUT/GET of the same bytes.
+``--busy N`` keeps N other processes spinning on the CPU for the whole run (a machine with other work on it).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import argparse
 import concurrent.futures
 import hashlib
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -93,7 +96,18 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=96)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--per-request", type=int, default=16)
+    ap.add_argument("--busy", type=int, default=0, help="processes spinning on the CPU meanwhile")
     args = ap.parse_args()
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+    try:
+        run(args)
+    finally:
+        for proc in spinners:
+            proc.kill()
+            proc.wait()
+
+
+def run(args: argparse.Namespace) -> None:
     n, layers = args.blocks, args.layers
     block_bytes = layers * 2 * BLOCK * HEADS * HEAD * 2
     with tempfile.TemporaryDirectory() as tmp:
@@ -130,7 +144,10 @@ def main() -> None:
                 rows.append(("load TP=1 of TP=4 parts", *timed_load(r, work4)))
 
                 base_put, base_get = rows[0][1], rows[1][1]
-                print(f"{n} blocks of {block_bytes / 2**20:.2f} MiB ({layers} layers, 8 KV heads, head 128, block 16)")
+                print(
+                    f"{n} blocks of {block_bytes / 2**20:.2f} MiB ({layers} layers, 8 KV heads, head 128, block 16)"
+                    + (f", {args.busy} busy process(es) beside" if args.busy else "")
+                )
                 print(f"{'cell':28} {'blocks/s':>9} {'MB/s':>8} {'lost':>5} {'vs raw':>7}")
                 for name, secs, lost_blocks in rows:
                     base = base_get if "load" in name or "GET" in name else base_put

@@ -66,6 +66,23 @@ def _words(layers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [t.view(same_size[t.element_size()]) for t in layers]
 
 
+@contextlib.contextmanager
+def one_copy_thread() -> Iterator[None]:
+    """CPU tensors: copy on the calling thread alone. A block's layers are many small copies, each one of torch's
+    parallel regions; with the cores shared (an engine, the client's loop, other processes) every region waits for
+    its slowest thread to be scheduled: 0.3x of a raw PUT with one other busy process, 1.1x on one thread
+    (``python -m benchmarks.connector_pipeline --busy 1``). The caller's setting is restored after."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 class BlockTransfer:
     """Gathers and scatters blocks of one KV-cache group; ``kv_caches`` is ordered by layer, as vLLM registers it."""
 
@@ -164,17 +181,20 @@ class BlockTransfer:
     ) -> Iterator[tuple[torch.Tensor, ...]]:
         """Run on ``stream`` after ``after`` (default: the caller's current stream); yields (host ids, device ids)."""
         host = torch.tensor(list(block_ids), dtype=torch.int64)
-        if stream is None or self.streams is None:
-            yield host, host
-            return
-        if after is not None:
-            self.streams.wait_event(stream, after)
-        else:
-            self.streams.wait_stream(stream, self.streams.current_stream())
-        with self.streams.use(stream):
-            if self._cuda:
-                host = host.pin_memory()  # a pageable copy would sync the stream; the caller keeps ``host`` alive
-            yield host, host.to(self.device, non_blocking=self._cuda)
+        with contextlib.ExitStack() as stack:
+            if not self._cuda:
+                stack.enter_context(one_copy_thread())
+            if stream is None or self.streams is None:
+                yield host, host
+                return
+            if after is not None:
+                self.streams.wait_event(stream, after)
+            else:
+                self.streams.wait_stream(stream, self.streams.current_stream())
+            with self.streams.use(stream):
+                if self._cuda:
+                    host = host.pin_memory()  # a pageable copy would sync the stream; the caller keeps ``host`` alive
+                yield host, host.to(self.device, non_blocking=self._cuda)
 
     def _record(self, stream: object | None) -> CopyEvent:
         if stream is None or self.streams is None:

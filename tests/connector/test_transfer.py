@@ -302,3 +302,37 @@ def test_odd_rows_fall_back_to_narrower_words(dtype: torch.dtype, head_size: int
     for name in caches:
         assert torch.equal(as_bytes(fresh[name][:, [0, 5]]), as_bytes(caches[name][:, [4, 1]]))
         assert not fresh[name][:, 1:5].view(torch.uint8).any()
+
+
+def test_cpu_copies_run_on_one_thread_and_the_setting_is_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each layer's copy would be one of torch's parallel regions; on shared cores they wait for the slowest thread
+    (store 0.3x of a raw PUT with one busy process beside, benchmarks.connector_pipeline --busy 1), so CPU copies
+    run on the calling thread alone, and the caller's thread count comes back after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    seen: list[int] = []
+    select, index_copy = torch.Tensor.index_select, torch.Tensor.index_copy_
+
+    def spy_select(self: torch.Tensor, *a: object, **k: object) -> torch.Tensor:
+        seen.append(torch.get_num_threads())
+        return select(self, *a, **k)  # type: ignore[arg-type]
+
+    def spy_copy(self: torch.Tensor, *a: object, **k: object) -> torch.Tensor:
+        seen.append(torch.get_num_threads())
+        return index_copy(self, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.Tensor, "index_select", spy_select)
+    monkeypatch.setattr(torch.Tensor, "index_copy_", spy_copy)
+    try:
+        caches = layer_tensors(model_kv(torch.bfloat16), KVLayout.NHD)
+        xfer = make(caches, KVLayout.NHD)
+        batch = xfer.gather([1, 2])
+        assert batch is not None
+        blobs = [batch.block_view(i).tobytes() for i in range(2)]
+        batch.release()
+        assert torch.get_num_threads() == 2
+        xfer.scatter([3, 4], blobs).release()
+        assert torch.get_num_threads() == 2
+        assert len(seen) == 2 * LAYERS and set(seen) == {1}
+    finally:
+        torch.set_num_threads(before)

@@ -12,6 +12,7 @@ import pytest
 from sqlalchemy import func, inspect, select, text
 
 from app.index import BlockRecord, Index, make_engine
+from app.index.engine import SQLITE_MMAP_BYTES, blocking_twin
 from app.index.migrate import upgrade_head
 from app.index.models import Block
 from tests.gateway import REPO
@@ -275,3 +276,19 @@ async def test_create_only_has_one_winner_across_two_indexes(db_url: str) -> Non
     finally:
         await a.close()
         await b.close()
+
+
+async def test_sqlite_engines_read_through_a_memory_map(tmp_path: Path) -> None:
+    """Both SQLite engines, the async one and the blocking twin the reader threads use, map the file for reads
+    (PRAGMA mmap_size; without it every page a probe misses in a connection's small cache is a read() call)."""
+    engine = make_engine(f"sqlite+aiosqlite:///{tmp_path / 'index.db'}")
+    twin = blocking_twin(engine)
+    assert twin is not None
+    try:
+        async with engine.connect() as conn:
+            assert (await conn.exec_driver_sql("PRAGMA mmap_size")).scalar_one() == SQLITE_MMAP_BYTES
+        with twin.connect() as sync_conn:
+            assert sync_conn.exec_driver_sql("PRAGMA mmap_size").scalar_one() == SQLITE_MMAP_BYTES
+    finally:
+        await engine.dispose()
+        twin.dispose()

@@ -292,3 +292,19 @@ async def test_sqlite_engines_read_through_a_memory_map(tmp_path: Path) -> None:
     finally:
         await engine.dispose()
         twin.dispose()
+
+
+async def test_sqlite_many_probes_the_keys_as_they_come(tmp_path: Path) -> None:
+    """The SQLite form of get_many/sizes_many walks the JSON array and probes the primary key per key: no
+    temporary B-tree of the keys first (``IN (SELECT value FROM json_each(?))`` built one, a fifth of the time)."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'index.db'}"
+    await upgrade_head(url)
+    idx = Index(make_engine(url), flush_interval_s=3600)
+    try:
+        async with idx.engine.connect() as conn:
+            for sql in (idx._sizes_many_bound, idx._get_many_bound):
+                plan = [r[-1] for r in (await conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {sql}", ("[]",))).all()]
+                assert len(plan) == 2 and plan[0].startswith("SCAN j"), plan
+                assert plan[1].startswith("SEARCH blocks USING INDEX sqlite_autoindex_blocks_1 (key=?)"), plan
+    finally:
+        await idx.engine.dispose()

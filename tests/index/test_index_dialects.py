@@ -12,6 +12,7 @@ import pytest
 from sqlalchemy import func, inspect, select, text
 
 from app.index import BlockRecord, Index, make_engine
+from app.index.engine import SQLITE_MMAP_BYTES, blocking_twin
 from app.index.migrate import upgrade_head
 from app.index.models import Block
 from tests.gateway import REPO
@@ -275,3 +276,35 @@ async def test_create_only_has_one_winner_across_two_indexes(db_url: str) -> Non
     finally:
         await a.close()
         await b.close()
+
+
+async def test_sqlite_engines_read_through_a_memory_map(tmp_path: Path) -> None:
+    """Both SQLite engines, the async one and the blocking twin the reader threads use, map the file for reads
+    (PRAGMA mmap_size; without it every page a probe misses in a connection's small cache is a read() call)."""
+    engine = make_engine(f"sqlite+aiosqlite:///{tmp_path / 'index.db'}")
+    twin = blocking_twin(engine)
+    assert twin is not None
+    try:
+        async with engine.connect() as conn:
+            assert (await conn.exec_driver_sql("PRAGMA mmap_size")).scalar_one() == SQLITE_MMAP_BYTES
+        with twin.connect() as sync_conn:
+            assert sync_conn.exec_driver_sql("PRAGMA mmap_size").scalar_one() == SQLITE_MMAP_BYTES
+    finally:
+        await engine.dispose()
+        twin.dispose()
+
+
+async def test_sqlite_many_probes_the_keys_as_they_come(tmp_path: Path) -> None:
+    """The SQLite form of get_many/sizes_many walks the JSON array and probes the primary key per key: no
+    temporary B-tree of the keys first (``IN (SELECT value FROM json_each(?))`` built one, a fifth of the time)."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'index.db'}"
+    await upgrade_head(url)
+    idx = Index(make_engine(url), flush_interval_s=3600)
+    try:
+        async with idx.engine.connect() as conn:
+            for sql in (idx._sizes_many_bound, idx._get_many_bound):
+                plan = [r[-1] for r in (await conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {sql}", ("[]",))).all()]
+                assert len(plan) == 2 and plan[0].startswith("SCAN j"), plan
+                assert plan[1].startswith("SEARCH blocks USING INDEX sqlite_autoindex_blocks_1 (key=?)"), plan
+    finally:
+        await idx.engine.dispose()

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from connector import protocol
 from connector.protocol import (
     CANONICAL_FORMAT,
     InvalidKey,
@@ -269,11 +270,11 @@ _FIELDS: dict[str, list[str]] = {  # a good value first, then bad ones at the ed
 
 
 @st.composite
-def _near_paths(draw: st.DrawFn) -> str:
+def _near_paths(draw: st.DrawFn, lengths: tuple[int, ...] = (0, 2, 14, 15, 16, 17, 18, 64, 126, 128, 129, 130)) -> str:
     """Paths shaped like keys with at most one field broken (at its edges: lengths, case, leading zeros, prefixes)."""
     broken = draw(st.sampled_from([None, *_FIELDS]))
     f = {name: draw(st.sampled_from(values)) if name == broken else values[0] for name, values in _FIELDS.items()}
-    n = draw(st.sampled_from([0, 2, 14, 15, 16, 17, 18, 64, 126, 128, 129, 130]))
+    n = draw(st.sampled_from(lengths))
     digest = draw(st.text("0123456789abcdef", min_size=n, max_size=n))
     digest = {"lower": digest, "upper": digest.upper(), "g": digest + "g"}[f["case"]]
     d1 = {"ok": digest[:3], "abc": "abc", "short": digest[:2], "long": digest[:4]}[f["d1"]]
@@ -331,3 +332,55 @@ def test_batch_check_rejects_keys_that_hide_a_line_break() -> None:
     for bad in ([good[0] + "\n" + good[1]], [good[0], good[1] + "\n"], ["\n".join(good)], [good[0] + "\r"]):
         with pytest.raises(InvalidKey):
             check_block_paths(bad)
+
+
+def _sha256_paths() -> st.SearchStrategy[str]:
+    """sha256-hashed paths, with groups at the edges of the grammar (2**32 and up: not keys)."""
+    ns = st.sampled_from(["org_m_0123456789ab", "a.b-c_ffffffffffff", "x_r1_000000000000"])
+    return st.builds(
+        lambda n, r, h, g: block_path(namespace=n, rank=r, block_hash=h, group=g),
+        ns,
+        st.integers(0, 999_999),
+        st.binary(min_size=32, max_size=32),
+        st.sampled_from([0, 1, 999_999_999, 1_000_000_000, 2**32 - 1, 2**32, 9_999_999_999, 10**10]),
+    )
+
+
+@settings(max_examples=800, deadline=None)
+@given(st.lists(st.one_of(_sha256_paths(), _near_paths(lengths=(62, 63, 64, 65, 66))), min_size=1, max_size=6))
+def test_the_sha256_batch_regex_admits_only_block_paths(paths: list[str]) -> None:
+    """check_block_paths' one-regex path (sha256 hashes: no per-key comparisons) accepts a batch only if the parser
+    accepts every key in it; what it leaves goes the general way, which the test above holds to the parser."""
+    joined = "\n".join(paths)
+    if joined.count("\n") == len(paths) - 1 and protocol._SHA256_LINES_RE.fullmatch(joined + "\n"):
+        for p in paths:
+            parse_block_key(p)
+
+
+def test_a_batch_of_sha256_keys_is_checked_by_one_regex(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The usual batch never reaches the general check; one bad key in it sends it there (and is refused)."""
+    keys = [block_path(namespace="org_m_0123456789ab", rank=1, block_hash=hashlib.sha256(bytes([i])).digest(), group=i)
+            for i in range(50)]  # fmt: skip
+    head, d1, d2g, name = keys[7].split("/")
+    h = name.removesuffix(".bin")
+    other = "0" if h[0] != "0" else "1"
+    broken = [
+        keys[0] + "\n" + keys[1],  # a line break inside a key
+        keys[0] + keys[1],  # two keys run together
+        f"{head}/{other}{d1[1:]}/{d2g}/{name}",  # the first directory is not the hash's first 3 digits
+        f"{head}/{d1}/{other}{d2g[1:]}/{name}",  # the second is not its next 2
+        f"{head}/{d1}/{d2g.replace('_g7', '_g07')}/{name}",  # a leading zero
+        f"{head}/{d1}/{d2g.replace('_g7', f'_g{2**32}')}/{name}",  # a group past 32 bits
+        f"{head}/{d1}/{d2g}/{h[:-1]}.bin",  # an odd number of hex digits
+        f"{head}/{d1}/{d2g}/{h}0.bin",
+        f"{head}/{d1}/{d2g}/{h.upper()}.bin",
+    ]
+    check_block_paths([keys[7].replace(f"/{h}.", f"/{h}00.")])  # 66 hex digits: a key, the general way
+    monkeypatch.setattr(protocol, "_LINES_RE", re.compile("(?!)"))  # the general way now refuses every batch
+    check_block_paths(keys)  # so it was not taken
+    for bad in broken:
+        with pytest.raises(InvalidKey):
+            check_block_paths([*keys[:7], bad, *keys[8:]])
+    monkeypatch.setattr(protocol, "_SHA256_LINES_RE", re.compile("(?!)"))
+    with pytest.raises(InvalidKey):
+        check_block_paths(keys)

@@ -38,6 +38,7 @@ async def open_backends(settings: Settings) -> AsyncIterator[Backends]:
                 settings.resolved_db_url,
                 sqlite_synchronous=settings.sqlite_synchronous,
                 busy_timeout_s=settings.sqlite_busy_timeout_s,
+                sqlite_mmap_bytes=settings.sqlite_mmap_bytes,
             ),
             flush_interval_s=settings.access_flush_interval_s,
         )

@@ -158,6 +158,12 @@ class Settings(BaseSettings):
     header_timeout_s: float = Field(default=30.0, gt=0, description="time to send a request's headers")
     limit_concurrency: int | None = Field(default=4096, gt=0, description="uvicorn: connections + tasks (503)")
     sqlite_busy_timeout_s: float = Field(default=30.0, ge=0, description="wait on a locked SQLite index")
+    sqlite_mmap_bytes: int = Field(
+        default=1024 * MiB,
+        ge=0,
+        description="SQLite reads the index through a memory map up to this size (faster lookups; an I/O error "
+        "reading the file then stops the process instead of failing the request); 0: off",
+    )
 
     tls_certfile: Path | None = Field(default=None, description="serve HTTPS with this certificate chain (PEM)")
     tls_keyfile: Path | None = Field(default=None, description="its private key (PEM); default: in tls_certfile")

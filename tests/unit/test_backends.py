@@ -9,10 +9,12 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
 from sqlalchemy import text
 
 from app.backends import open_backends
 from app.config import Settings
+from app.index.engine import blocking_twin
 from app.tools.importer import ImportReport, import_dir
 from tests.conftest import key_for, random_bytes
 
@@ -26,6 +28,18 @@ async def test_the_index_gets_the_configured_busy_timeout(tmp_path: Path) -> Non
         async with backends.index.engine.connect() as conn:
             assert (await conn.execute(text("PRAGMA busy_timeout"))).scalar() == 7500
         assert (tmp_path / "data" / "index.db").exists()
+
+
+@pytest.mark.parametrize("mmap_bytes", [0, 64 * 1024 * 1024])
+async def test_the_index_gets_the_configured_memory_map(tmp_path: Path, mmap_bytes: int) -> None:
+    """Both of the index's engines (the async one, and the blocking twin the group commit and reads run on)."""
+    async with open_backends(settings(tmp_path, sqlite_mmap_bytes=mmap_bytes)) as backends:
+        async with backends.index.engine.connect() as conn:
+            assert (await conn.execute(text("PRAGMA mmap_size"))).scalar() == mmap_bytes
+        twin = blocking_twin(backends.index.engine)
+        assert twin is not None
+        with twin.connect() as sync_conn:
+            assert sync_conn.exec_driver_sql("PRAGMA mmap_size").scalar_one() == mmap_bytes
 
 
 def test_import_honours_the_busy_timeout(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ completes the cover stages the object, commits it through BlockService (row, the
 Stored part bytes count against capacity until then. Two ways to keep the data:
 
 - **In place** (a store with ``write_at``/``stage_upload``: the filesystem): the parts of one object are written
-  at their offsets into one upload file, ``_parts/<key>/upload.<uuid>``, the object's own file to be. A part's body
+  at their offsets into one upload file, ``_parts/<key>.upload.<uuid>``, the object's own file to be. A part's body
   is received and checked first, then written under the key's lock, only into a range no recorded part holds, and
   recorded. The completing PUT reads the file once (each part's digest checked, the whole hashed) and stages it by
   a hard link: the parts become the object, with no second copy of the bytes.
@@ -45,13 +45,15 @@ log = logging.getLogger("kvgate.parts")
 
 PARTS_PREFIX = "_parts/"
 """Store prefix of part data; reconcile/adopt must skip it (never a block key)."""
-UPLOAD_NAME = "upload."
-"""The last segment of an upload file's store key starts so (in-place parts: the data sits at the part's offset)."""
+UPLOAD_MARK = ".upload."
+"""An upload file's store key is ``_parts/<key>.upload.<uuid>`` (in-place parts: the data sits at the part's
+offset). A file beside its key's place, not a directory per key: the directories under ``_parts/`` are the blocks'
+own few, shared by all keys, so finished uploads leave none behind."""
 
 
 def in_upload(part: PartRecord) -> bool:
     """``part``'s bytes sit at its own offset of an upload file (else at 0 of an object of their own)."""
-    return part.store_key.rsplit("/", 1)[-1].startswith(UPLOAD_NAME)
+    return UPLOAD_MARK in part.store_key.rsplit("/", 1)[-1]
 
 
 def one_upload(parts: list[PartRecord]) -> str | None:
@@ -186,7 +188,7 @@ class PartAssembler:
                 return _complete(path, existing.size, existing.digest, span, digest)
             if _check_against(parts, span, digest) is not None:  # the same part again: nothing is written
                 return (await self._record(key, span, digest, "", parts))[0]
-            upload = one_upload(parts) if parts else f"{PARTS_PREFIX}{path}/{UPLOAD_NAME}{uuid.uuid4().hex}"
+            upload = one_upload(parts) if parts else f"{PARTS_PREFIX}{path}{UPLOAD_MARK}{uuid.uuid4().hex}"
             if upload is None:  # parts kept one object each (written before in-place parts): keep to that
                 upload = f"{PARTS_PREFIX}{path}/{span.start}-{span.end}.{uuid.uuid4().hex}"
                 await self.store.put(upload, _replay(pieces), size=span.size, expected_digest=digest)

@@ -203,7 +203,7 @@ async def test_in_place_parts_become_the_object_without_a_copy(fs_gw: Gateway, t
     for start in (8192, 0, 12288):
         assert (await put_part(fs_gw.client, key, blob, start, start + 4096)).status_code == 202
     (upload,) = part_files(tmp_path)  # one file holds every part, each at its own offset
-    assert upload.name.startswith("upload.")
+    assert upload.name.startswith(f"{key.rsplit('/', 1)[1]}.upload.")
     assert upload.read_bytes()[8192:12288] == blob[8192:12288]
     inode = upload.stat().st_ino
     r = await put_part(fs_gw.client, key, blob, 4096, 8192)
@@ -211,6 +211,8 @@ async def test_in_place_parts_become_the_object_without_a_copy(fs_gw: Gateway, t
     final = tmp_path / "blocks" / key
     assert final.stat().st_ino == inode and final.stat().st_nlink == 1  # the same bytes on disk, not a copy
     assert part_files(tmp_path) == []
+    parts_root = tmp_path / "blocks" / PARTS_PREFIX.rstrip("/")
+    assert parts_root / key.rsplit("/", 1)[0] == upload.parent  # no directory of its own per object
     got = await fs_gw.client.get(f"/v1/blocks/{key}")
     assert got.content == blob and got.headers["etag"] == f'"{sha(blob)}"'
     assert (await fs_gw.stats())["usage_bytes"] == len(blob)

@@ -49,6 +49,7 @@ class ReconcileReport:
     temp_removed: int = 0
     stale_uploads_dropped: int = 0
     part_objects_removed: int = 0
+    part_dirs_removed: int = 0
     stale_versions_removed: int = 0
     corrupt_removed: int = 0
     left_alone: list[str] = field(default_factory=list)
@@ -230,6 +231,9 @@ async def reconcile(
             log.warning("reconcile: left alone key=%s (neither a block nor a valid namespace config)", key)
 
     await _drop_stale_parts(store, index, part_objects, older_than_s=stale_parts_s, report=report)
+    remove_dirs = getattr(store, "remove_empty_dirs", None)
+    if remove_dirs is not None:  # uploads of earlier versions had a directory each under _parts/
+        report.part_dirs_removed = int(await remove_dirs(PARTS_PREFIX, older_than_s=stale_parts_s))
 
     usage = await index.namespace_usage()
     report.blocks = sum(u.blocks for u in usage)

@@ -432,6 +432,27 @@ class FilesystemStore:
         """Reconcile: the file under a key is older than the version its row names (a crash before the rename)."""
         return written_before(stamp, other)
 
+    async def remove_empty_dirs(self, prefix: str, *, older_than_s: float) -> int:
+        """Remove empty directories under ``prefix`` (not ``prefix`` itself) untouched for ``older_than_s``; how
+        many. A write that needs one again makes it again (``write_at``, ``stage``)."""
+        top = self.path_of(prefix.rstrip("/"))
+
+        def sweep() -> int:
+            removed = 0
+            cutoff = time.time() - older_than_s
+            for dirpath, _dirnames, _filenames in os.walk(top, topdown=False):
+                if dirpath == str(top):
+                    continue
+                try:
+                    if os.stat(dirpath).st_mtime <= cutoff:
+                        os.rmdir(dirpath)  # fails on a directory that is not empty (or no longer is)
+                        removed += 1
+                except OSError:
+                    pass
+            return removed
+
+        return await _io(sweep, what="sweep")
+
     async def remove_temp_files(self, *, older_than_s: float = 0.0) -> int:
         """Delete temp files of interrupted writes; returns how many were removed."""
 

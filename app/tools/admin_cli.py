@@ -208,6 +208,7 @@ def gc(
         ("configs adopted", report.configs_adopted),
         ("temp files removed", report.temp_removed),
         ("stale uploads dropped (parts)", report.stale_uploads_dropped),
+        ("empty upload directories removed", report.part_dirs_removed),
         ("left alone", len(report.left_alone)),
         ("blocks now", report.blocks),
         ("bytes now", _human(report.bytes)),

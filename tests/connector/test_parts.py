@@ -7,6 +7,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -187,11 +188,19 @@ async def test_purge_and_gc_drop_incomplete_uploads(tmp_path: Path) -> None:
             blob = random_bytes(2000, seed=42)
             assert (await put_part(c, key_for(42), blob, 0, 1000)).status_code == 202
         gw.stop()
+        # the empty directory an upload of an earlier version left behind (one per object), an old and a young one
+        parts_root = gw.data_dir / "blocks" / PARTS_PREFIX.rstrip("/")
+        old_dir, young_dir = parts_root / key_for(43), parts_root / key_for(44)
+        for d in (old_dir, young_dir):
+            d.mkdir(parents=True)
+        os.utime(old_dir, (time.time() - 7200, time.time() - 7200))
         env = {**os.environ, "PYTHONPATH": str(REPO), "KVGATE_DATA_DIR": str(gw.data_dir)}
         keep = subprocess.run(
             [sys.executable, "-m", "app", "gc"], cwd=REPO, env=env, capture_output=True, timeout=120, check=True
         )
         assert len(_part_files(gw)) == 1 and _part_rows(gw) == 1, keep.stdout.decode()  # young: kept
+        assert not old_dir.exists() and old_dir.parent.is_dir() and young_dir.is_dir()
+        assert "empty upload directories removed" in keep.stdout.decode()
         subprocess.run(
             [sys.executable, "-m", "app", "gc", "--stale-parts-s", "0"],
             cwd=REPO,
@@ -201,6 +210,7 @@ async def test_purge_and_gc_drop_incomplete_uploads(tmp_path: Path) -> None:
             check=True,
         )
         assert _part_files(gw) == [] and _part_rows(gw) == 0
+        assert not young_dir.exists()
         gw.start()
         async with httpx.AsyncClient(base_url=gw.url) as c:
             assert (await c.head(f"/v1/blocks/{key_for(42)}")).status_code == 404

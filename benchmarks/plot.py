@@ -56,7 +56,8 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     cpus = report["machine"]["cpus"]
     fig.suptitle(
         f"kvgate vs nginx WebDAV, same disk, one client process (kvgate bench, aiohttp); {cpus} cores shared by "
-        f"client and servers; no fsync on either; kvgate also sha256s every byte"
+        f"client and servers; nginx never fsyncs, kvgate-fs neither, kvgate-fs-fsync does (its default);\n"
+        "kvgate also sha256s every byte"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from connector.wire import PART_DIGEST_HEADER
 from tests.conftest import key_for, random_bytes
 from tests.e2e.races import Ledger, assert_fs_agrees, assert_http_agrees, assert_stats_exact, sha, while_reading
 from tests.gateway import Gateway, settled_stats
@@ -141,6 +142,87 @@ def test_create_only_has_one_winner(gateway: Gateway) -> None:
     results = asyncio.run(race())
     assert [(w, lost) for w, lost, _ in results] == [(1, 15)] * 30
     assert_stats_exact(gateway.url, assert_fs_agrees(gateway.data_dir))
+
+
+def test_competing_part_writers_publish_one_recorded_part_per_range(gateway: Gateway) -> None:
+    """3 TP groups store different bodies under one key at once, each as 4 rank parts (12 concurrent Content-Range
+    PUTs per key, 4 keys a round, 8 rounds) while readers GET and Range-GET. Each range keeps the part recorded first
+    (201/202; a competing part is 409, or 200 once the object is complete): the object published is those parts, whole, under its own digest, exactly
+    one PUT completes it, and every answer a reader got is a whole version."""
+    total, ranks, groups = 4 * 16384, 4, 3
+    step = total // ranks
+    served: list[tuple[str, str, int, bytes]] = []  # (key, ETag, start, bytes) of every 200/206 a reader got
+    wrong: list[str] = []
+
+    async def reader(c: httpx.AsyncClient, keys: list[str], stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            key = random.choice(keys)
+            a = random.randrange(0, total)
+            ranged = random.random() < 0.5
+            r = await c.get(f"/v1/blocks/{key}", headers={"Range": f"bytes={a}-{a + 9999}"} if ranged else {})
+            tag = r.headers.get("etag", "").strip('"')
+            if r.status_code == 200 and sha(r.content) != tag:
+                wrong.append(f"GET {key}: body sha {sha(r.content)[:12]} under ETag {tag[:12]}")
+            elif r.status_code == 206 and r.headers.get("x-kvgate-range-sha256") != sha(r.content):
+                wrong.append(f"Range GET {key}: range sha differs")
+            elif r.status_code not in (200, 206, 404):
+                wrong.append(f"GET {key}: {r.status_code} {r.text[:200]}")
+            if r.status_code in (200, 206):
+                start = int(r.headers["content-range"].split()[1].split("-")[0]) if r.status_code == 206 else 0
+                served.append((key, tag, start, r.content))
+
+    async def store(c: httpx.AsyncClient, key: str, rnd: int) -> tuple[bytes, int]:
+        bodies = [random_bytes(total, rnd * 1000 + g) for g in range(groups)]
+        jobs = [(g, i) for g in range(groups) for i in range(ranks)]
+        random.shuffle(jobs)
+
+        async def part(g: int, i: int) -> httpx.Response:
+            data = bodies[g][i * step : (i + 1) * step]
+            headers = {"Content-Range": f"bytes {i * step}-{(i + 1) * step - 1}/{total}", PART_DIGEST_HEADER: sha(data)}
+            return await c.put(f"/v1/blocks/{key}", content=data, headers=headers)
+
+        rs = await asyncio.gather(*(part(g, i) for g, i in jobs))
+        kept: dict[int, int] = {}  # range -> the group whose part was recorded
+        for (g, i), r in zip(jobs, rs, strict=True):
+            if r.status_code in (201, 202):
+                assert i not in kept, f"{key}: two parts recorded for range {i}"
+                kept[i] = g
+            else:  # refused: its range holds another part (409), or the object was complete already (200)
+                assert r.status_code == 409 or (r.status_code == 200 and r.json()["complete"]), (key, r.text)
+        assert sorted(kept) == list(range(ranks)), (key, kept)
+        expected = b"".join(bodies[kept[i]][i * step : (i + 1) * step] for i in range(ranks))
+        done = [r for r in rs if r.status_code == 201]
+        assert len(done) == 1 and done[0].headers["etag"] == f'"{sha(expected)}"', (key, [r.status_code for r in rs])
+        return expected, len(done)
+
+    async def run() -> dict[str, bytes]:
+        objects: dict[str, bytes] = {}
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as c:
+            for rnd in range(8):
+                keys = [key_for(20_000 + rnd * 10 + k) for k in range(4)]
+                stop = asyncio.Event()
+                readers = [asyncio.create_task(reader(c, keys, stop)) for _ in range(4)]
+                try:
+                    results = await asyncio.gather(*(store(c, key, rnd * 10 + k) for k, key in enumerate(keys)))
+                finally:
+                    stop.set()
+                    await asyncio.gather(*readers)
+                objects.update({key: body for key, (body, _) in zip(keys, results, strict=True)})
+        return objects
+
+    objects = asyncio.run(run())
+    assert not wrong, wrong[:10]
+    assert served, "the readers saw no object"
+    for key, tag, start, data in served:  # an object is written once here: every answer is a slice of it
+        assert tag == sha(objects[key]) and objects[key][start : start + len(data)] == data, key
+    for key, body in objects.items():
+        got = httpx.get(f"{gateway.url}/v1/blocks/{key}", timeout=30)
+        assert got.status_code == 200 and got.content == body, key
+    rows = assert_fs_agrees(gateway.data_dir)
+    assert {k: d for k, (_, d) in rows.items()} == {k: sha(b) for k, b in objects.items()}
+    assert_stats_exact(gateway.url, rows)
+    leftover = [p for p in (gateway.data_dir / "blocks" / "_parts").rglob("*") if p.is_file()]
+    assert leftover == [], leftover[:5]
 
 
 def test_eviction_races_gets_and_puts(tmp_path: Path) -> None:

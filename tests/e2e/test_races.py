@@ -147,8 +147,8 @@ def test_create_only_has_one_winner(gateway: Gateway) -> None:
 def test_competing_part_writers_publish_one_recorded_part_per_range(gateway: Gateway) -> None:
     """3 TP groups store different bodies under one key at once, each as 4 rank parts (12 concurrent Content-Range
     PUTs per key, 4 keys a round, 8 rounds) while readers GET and Range-GET. Each range keeps the part recorded first
-    (201/202; a competing part is 409, or 200 once the object is complete): the object published is those parts, whole, under its own digest, exactly
-    one PUT completes it, and every answer a reader got is a whole version."""
+    (201/202; a competing part is 409, or 200 once the object is complete): the object published is those parts,
+    whole, under its own digest, exactly one PUT completes it, and every answer a reader got is a whole version."""
     total, ranks, groups = 4 * 16384, 4, 3
     step = total // ranks
     served: list[tuple[str, str, int, bytes]] = []  # (key, ETag, start, bytes) of every 200/206 a reader got

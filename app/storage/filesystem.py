@@ -91,28 +91,20 @@ NO_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EML
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
-    """Hard-link ``src`` as ``dst``; where the filesystem has no hard links, copy it (in the kernel where it can)."""
+    """Hard-link ``src`` as ``dst``; where the filesystem has no hard links, copy it (shutil: in the kernel where it
+    can) and fsync the copy."""
     try:
         os.link(src, dst)
         return
     except OSError as exc:
         if exc.errno not in NO_LINKS:
             raise
-    with open(src, "rb") as fin, open(dst, "xb") as fout:
-        left = os.fstat(fin.fileno()).st_size
-        while left > 0:
-            try:
-                n = os.copy_file_range(fin.fileno(), fout.fileno(), left)
-            except OSError:
-                n = 0
-            if n <= 0:  # not offered here: the rest by read and write
-                fin.seek(os.fstat(fin.fileno()).st_size - left)
-                fout.seek(0, os.SEEK_END)
-                shutil.copyfileobj(fin, fout)
-                break
-            left -= n
-        fout.flush()
-        os.fsync(fout.fileno())
+    shutil.copyfile(src, dst)
+    fd = os.open(dst, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 async def batched(body: AsyncIterable[bytes], *, chunk_bytes: int, max_pieces: int = 512) -> AsyncIterator[list[bytes]]:
@@ -297,8 +289,8 @@ class FilesystemStore:
         def run() -> Staged:
             fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
             try:
-                if os.fstat(fd).st_size != total:
-                    raise SizeMismatch(f"upload holds {os.fstat(fd).st_size} bytes of {total}")
+                if (held := os.fstat(fd).st_size) != total:
+                    raise SizeMismatch(f"upload holds {held} bytes of {total}")
                 whole = hashlib.sha256()
                 for region in regions:
                     part = hashlib.sha256()

@@ -27,6 +27,7 @@ from app.config import S3Backend
 from app.errors import BackendUnavailable, BlockNotFound, InvalidRequest
 from app.storage.base import BodyChecker, ClosingReader, ObjectInfo, ObjectMeta, Staged, coalesce
 from app.storage.s3_errors import FOREIGN, NO_BUCKET_CODES, code_of, is_missing, translate
+from app.storage.s3_signing import sign_with_known_digest
 
 log = logging.getLogger("kvgate.storage.s3")
 
@@ -124,6 +125,7 @@ class S3Store:
                     config=config,
                 )
             )
+            sign_with_known_digest(self._client)  # PutObject signs with the digest already computed
             self._stack = stack
             await self._ensure_bucket()
         except BaseException:
@@ -218,14 +220,16 @@ class S3Store:
         checker = BodyChecker(size=size, expected_digest=expected_digest)
         if size > self._threshold:
             return await self._put_multipart(name, body, checker)
-        buf = bytearray()
+        pieces: list[bytes] = []  # joined once at the end: one copy of the body, where a growing buffer made two
         async for chunk in body:
             checker.update(chunk)
-            buf += chunk
+            pieces.append(chunk if type(chunk) is bytes else bytes(chunk))  # a caller may reuse a mutable buffer
         meta = checker.finish()
+        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        del pieces
         try:
             await self.client.put_object(
-                Bucket=self.bucket, Key=name, Body=bytes(buf), ContentLength=size, Metadata={DIGEST_META: meta.digest}
+                Bucket=self.bucket, Key=name, Body=data, ContentLength=size, Metadata={DIGEST_META: meta.digest}
             )
         except FOREIGN as exc:
             raise translate(exc, "put") from exc

@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
+import hashlib
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
+import botocore.auth
 import pytest
+from aiobotocore.config import AioConfig
+from botocore.awsrequest import AWSRequest
+from botocore.credentials import Credentials
 
 from app.config import S3Backend
 from app.errors import BackendUnavailable, BlockNotFound
 from app.storage.s3 import DIGEST_META, S3Store
+from app.storage.s3_signing import DIGEST_HEADER, KnownDigestS3SigV4Auth
 from tests.conftest import random_bytes, sha
 from tests.gateway import free_port
 from tests.services import S3_CREDS, MotoServer, unique_bucket
@@ -157,3 +165,80 @@ async def test_a_version_is_read_in_one_store_round_trip(moto_server: MotoServer
             await store.open("k/x.bin", stamp="0" * 32)
     finally:
         await store.close()
+
+
+class HashedBytes:
+    """Stands in for botocore.auth's ``sha256`` and records how many bytes each hash it makes is given."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+    def __call__(self, data: bytes = b"") -> Any:
+        self.sizes.append(len(data))
+        return self.Recording(hashlib.sha256(data), self.sizes, len(self.sizes) - 1)
+
+    class Recording:
+        """A sha256 object (also as HMAC's digest) that adds what ``update`` is given to its entry."""
+
+        def __init__(self, real: Any, sizes: list[int], at: int) -> None:
+            self._real, self._sizes, self._at = real, sizes, at
+
+        def update(self, more: bytes) -> None:
+            self._sizes[self._at] += len(more)
+            self._real.update(more)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._real, name)
+
+
+async def test_put_object_is_signed_with_the_digest_already_computed(
+    moto_server: MotoServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A PutObject's body is hashed once, by the gateway: botocore's signer hashes only its canonical strings."""
+    hashed = HashedBytes()
+    monkeypatch.setattr(botocore.auth, "sha256", hashed)
+    store = S3Store(cfg=backend(moto_server.url))
+    await store.start()
+    try:
+        data = random_bytes(MiB, 7)
+        meta = await store.put("k/x.bin", body(data), size=len(data))
+        assert meta.digest == sha(data)
+        assert hashed.sizes, "botocore's signer did not run"
+        assert max(hashed.sizes) < 4096, f"a body-sized hash in the signer: {sorted(hashed.sizes)[-3:]}"
+        reader = await store.open("k/x.bin", stamp=None)
+        try:
+            assert b"".join([c async for c in reader.chunks(start=0, end=len(data))]) == data
+        finally:
+            await reader.aclose()
+        # everything else is signed as before: a copy has no digest header, so its (empty) body is hashed
+        await store.client.copy_object(Bucket=store.bucket, Key="k/y.bin", CopySource=f"{store.bucket}/k/x.bin")
+        assert (await store.client.head_object(Bucket=store.bucket, Key="k/y.bin"))["ContentLength"] == len(data)
+    finally:
+        await store.close()
+
+
+def signed(auth_cls: type[botocore.auth.S3SigV4Auth], data: bytes, headers: dict[str, str], *, url: str) -> Any:
+    request = AWSRequest(method="PUT", url=f"{url}/bucket/k/x.bin", data=data, headers=headers)
+    request.context["client_config"] = AioConfig(s3={"addressing_style": "path"})
+    creds = Credentials(S3_CREDS["access_key_id"], S3_CREDS["secret_access_key"])
+    auth_cls(creds, "s3", "us-east-1").add_auth(request)
+    return request.headers
+
+
+@pytest.mark.parametrize("url", ["http://store:9000", "https://store"])
+@pytest.mark.parametrize("digest", ["right", "upper-case", "not hex", "absent"])
+def test_the_known_digest_signature_is_botocores(monkeypatch: pytest.MonkeyPatch, url: str, digest: str) -> None:
+    """Same request, same clock: the signature is byte for byte the one botocore's own S3 signer makes. A header
+    that is not a lowercase hex sha256 is not used (the body is hashed, as botocore does)."""
+    monkeypatch.setattr(botocore.auth, "get_current_datetime", lambda: datetime.datetime(2026, 12, 3, 10, 0, 0))
+    data = random_bytes(100_000, 3)
+    value = {"right": sha(data), "upper-case": sha(data).upper(), "not hex": "z" * 64}.get(digest)
+    headers = {"Content-Type": "application/octet-stream"} | ({DIGEST_HEADER: value} if value else {})
+    ours = signed(KnownDigestS3SigV4Auth, data, headers, url=url)
+    theirs = signed(botocore.auth.S3SigV4Auth, data, headers, url=url)
+    assert ours["Authorization"] == theirs["Authorization"]
+    assert ours["X-Amz-Content-SHA256"] == theirs["X-Amz-Content-SHA256"] == sha(data)
+    hashed = HashedBytes()
+    monkeypatch.setattr(botocore.auth, "sha256", hashed)
+    signed(KnownDigestS3SigV4Auth, data, headers, url=url)
+    assert (max(hashed.sizes) >= len(data)) == (digest != "right")

@@ -1,0 +1,65 @@
+"""SigV4 for block bodies whose sha256 kvgate already holds: sign with that digest, do not hash the body again.
+
+botocore's S3 signer puts the body's sha256 in ``x-amz-content-sha256`` and hashes every bytes body to get it
+(always over http; over https unless a checksum header it knows is present). kvgate has just hashed the same bytes
+while receiving the block, to check them, and sends that digest as the object's metadata, ``x-amz-meta-sha256``.
+:class:`KnownDigestS3SigV4Auth` takes the payload hash from that header, so a PutObject hashes its body once, not
+twice. The signature is byte for byte the one botocore's signer makes for the same body.
+
+Nothing is trusted blindly: the store checks ``x-amz-content-sha256`` against the bytes it receives (SigV4 requires
+it: AWS answers XAmzContentSHA256Mismatch, MinIO and Ceph RGW the same), so a header that did not match the body would
+be refused, never stored. A header that is not 64 lowercase hex digits falls back to botocore's own hashing.
+
+This hooks botocore where it invites it: a name in ``botocore.auth.AUTH_TYPE_MAPS`` and a ``choose-signer`` handler
+on one client. ``tests/unit/test_s3_signing.py`` checks that the fast path is the one that runs (no body-sized hash
+on a PutObject) and that the signature equals botocore's, so a botocore upgrade that changes either fails there.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import botocore.auth
+
+DIGEST_HEADER = "x-amz-meta-sha256"
+"""The header carrying the object's hex sha256 (user metadata ``sha256``, see app.storage.s3.DIGEST_META)."""
+
+SIGNATURE_VERSION = "kvgate-s3v4"
+"""The name this signer is registered under; it signs exactly like botocore's ``s3v4``."""
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+class KnownDigestS3SigV4Auth(botocore.auth.S3SigV4Auth):
+    """botocore's S3 SigV4 signer, with the payload hash read from the request's digest metadata when present."""
+
+    def payload(self, request: Any) -> str:
+        known = request.headers.get(DIGEST_HEADER)
+        if (
+            known is not None
+            and _HEX64.fullmatch(known)
+            and not self._is_streaming_checksum_payload(request)
+            and self._should_sha256_sign_payload(request)
+        ):
+            return str(known)
+        return str(super().payload(request))
+
+
+botocore.auth.AUTH_TYPE_MAPS[SIGNATURE_VERSION] = KnownDigestS3SigV4Auth
+
+
+def _choose_known_digest_signer(
+    signature_version: Any = None, signing_name: Any = None, context: Any = None, **_: Any
+) -> str | None:
+    # Runs before botocore's own choose-signer handlers (the most specific event name is called first), which would
+    # map the operation's "v4" to "s3v4". Only that case is taken: SigV4a, S3 Express, an unsigned body, anonymous
+    # access and presigned URLs fall through to botocore's choice.
+    if signing_name != "s3" or (context or {}).get("unsigned_payload"):
+        return None
+    return SIGNATURE_VERSION if signature_version in ("v4", "s3v4") else None
+
+
+def sign_with_known_digest(client: Any) -> None:
+    """Have ``client`` sign PutObject with the digest kvgate sends as metadata (other operations are unchanged)."""
+    client.meta.events.register("choose-signer.s3.PutObject", _choose_known_digest_signer)

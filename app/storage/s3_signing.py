@@ -31,7 +31,7 @@ SIGNATURE_VERSION = "kvgate-s3v4"
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
-class KnownDigestS3SigV4Auth(botocore.auth.S3SigV4Auth):
+class KnownDigestS3SigV4Auth(botocore.auth.S3SigV4Auth):  # type: ignore[misc]  # botocore is untyped
     """botocore's S3 SigV4 signer, with the payload hash read from the request's digest metadata when present."""
 
     def payload(self, request: Any) -> str:

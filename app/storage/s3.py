@@ -27,12 +27,9 @@ from app.config import S3Backend
 from app.errors import BackendUnavailable, BlockNotFound, InvalidRequest
 from app.storage.base import BodyChecker, ClosingReader, ObjectInfo, ObjectMeta, Staged, coalesce
 from app.storage.s3_errors import FOREIGN, NO_BUCKET_CODES, code_of, is_missing, translate
-from app.storage.s3_signing import sign_with_known_digest
+from app.storage.s3_signing import DIGEST_META, sign_with_known_digest
 
 log = logging.getLogger("kvgate.storage.s3")
-
-DIGEST_META = "sha256"
-"""User-metadata key (x-amz-meta-sha256) holding the object's hex sha256."""
 
 VERSION_SEP = ".v"
 """A block version's object is ``<key>.v<stamp>``: every PUT writes a new object, and the index row says which

@@ -22,8 +22,11 @@ from typing import Any
 
 import botocore.auth
 
-DIGEST_HEADER = "x-amz-meta-sha256"
-"""The header carrying the object's hex sha256 (user metadata ``sha256``, see app.storage.s3.DIGEST_META)."""
+DIGEST_META = "sha256"
+"""User-metadata key (x-amz-meta-sha256) holding the object's hex sha256."""
+
+DIGEST_HEADER = f"x-amz-meta-{DIGEST_META}"
+"""The header that carries it on a PutObject."""
 
 SIGNATURE_VERSION = "kvgate-s3v4"
 """The name this signer is registered under; it signs exactly like botocore's ``s3v4``."""

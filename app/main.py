@@ -88,9 +88,10 @@ async def _serving(app: FastAPI, *, cfg: Settings, backends: Backends) -> AsyncI
     app.state.capacity = capacity
     app.state.started_at = time.monotonic()
     # Everything built so far (modules, FastAPI's routes and models, SQLAlchemy's tables, botocore's service model)
-    # lives as long as the process. Frozen out of the collector's reach, it is no longer walked by each full
-    # collection, which took about 70 ms with the event loop stopped (every request in flight waited). Lookup p99
-    # went from 94-110 ms to 49-56 ms on this machine (README, "What the changes gained"; tests/unit/test_gc.py).
+    # lives as long as the process. Frozen out of the collector's reach, it is no longer walked by a full
+    # collection, during which the event loop stands still: 78 ms -> 0.3 ms fresh, 101 -> 14 ms with the metadata
+    # cache full (python -m benchmarks.gc_pause). Full collections are rare in steady state but come with bursts of
+    # new long-lived objects, such as a filling cache.
     gc.collect()  # start-up's own cyclic garbage is collected, not frozen with the rest
     gc.freeze()
     log.info("kvgate ready backend=%s index=%s", cfg.backend.kind, cfg.resolved_db_url.split("://")[0])

@@ -12,7 +12,16 @@ from collections.abc import Iterator
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -123,6 +132,10 @@ def install(app: Any) -> None:
     registry = CollectorRegistry(auto_describe=True)
     http = HttpMetrics(registry)
     registry.register(ServiceCollector(app.state))
+    # the standard process_* (CPU, memory, fds), python_gc_* and python_info series every Python exporter has
+    ProcessCollector(registry=registry)
+    GCCollector(registry=registry)
+    PlatformCollector(registry=registry)
     app.state.metrics_registry = registry
     app.add_middleware(MetricsMiddleware, metrics=http)
     app.include_router(router)

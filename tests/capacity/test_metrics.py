@@ -60,6 +60,26 @@ def test_counters_move_by_exact_deltas(gateway: Gateway) -> None:
     assert value(m1, "kvgate_usage_blocks") == 3
 
 
+def test_process_and_gc_series_describe_the_server_process(gateway: Gateway) -> None:
+    """The standard process_* and python_gc_* series are there, and they are the gateway's process, not the test's."""
+    assert gateway.proc is not None
+    with httpx.Client(base_url=gateway.url, timeout=30) as c:
+        m0 = scrape(c.get("/metrics").text)
+        keys = [key_for(i) for i in range(1000)]
+        for _ in range(20):  # thousands of short-lived objects: the youngest generation is collected
+            assert c.post("/v1/lookup", json={"keys": keys}).status_code == 200
+        m1 = scrape(c.get("/metrics").text)
+    status = Path(f"/proc/{gateway.proc.pid}/status").read_text()
+    rss = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) * 1024
+    assert 0.5 * rss < value(m1, "process_resident_memory_bytes") < 2 * rss
+    fds = len(list(Path(f"/proc/{gateway.proc.pid}/fd").iterdir()))
+    assert abs(value(m1, "process_open_fds") - fds) <= 2  # the scrape's own connection may come and go
+    assert value(m1, "process_cpu_seconds_total") > value(m0, "process_cpu_seconds_total")
+    young = "python_gc_collections_total"
+    assert value(m1, young, generation="0") > value(m0, young, generation="0")
+    assert any(name == "python_info" for name, _ in m1)
+
+
 def test_each_app_has_its_own_registry(tmp_path: Path) -> None:
     apps = [create_app(Settings(data_dir=tmp_path / f"d{i}")) for i in range(3)]  # no duplicate-series error
     registries = {id(a.state.metrics_registry) for a in apps}

@@ -11,16 +11,21 @@ it: AWS answers XAmzContentSHA256Mismatch, MinIO and Ceph RGW the same), so a he
 be refused, never stored. A header that is not 64 lowercase hex digits falls back to botocore's own hashing.
 
 This hooks botocore where it invites it: a name in ``botocore.auth.AUTH_TYPE_MAPS`` and a ``choose-signer`` handler
-on one client. ``tests/unit/test_s3_signing.py`` checks that the fast path is the one that runs (no body-sized hash
-on a PutObject) and that the signature equals botocore's, so a botocore upgrade that changes either fails there.
+on one client; the private helpers it calls are checked for when a client is set up, and botocore's own signer is
+left in place if they are gone. ``tests/contract/test_s3_store.py`` checks that the fast path is the one that runs
+(no body-sized hash on a PutObject) and that the signature equals botocore's, so an upgrade that changes either
+fails there; pyproject.toml bounds aioboto3 (and with it aiobotocore's exact botocore range).
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
 import botocore.auth
+
+log = logging.getLogger("kvgate.storage.s3")
 
 DIGEST_META = "sha256"
 """User-metadata key (x-amz-meta-sha256) holding the object's hex sha256."""
@@ -63,6 +68,15 @@ def _choose_known_digest_signer(
     return SIGNATURE_VERSION if signature_version in ("v4", "s3v4") else None
 
 
-def sign_with_known_digest(client: Any) -> None:
-    """Have ``client`` sign PutObject with the digest kvgate sends as metadata (other operations are unchanged)."""
+_USED = ("payload", "_should_sha256_sign_payload", "_is_streaming_checksum_payload")
+
+
+def sign_with_known_digest(client: Any) -> bool:
+    """Have ``client`` sign PutObject with the digest kvgate sends as metadata (other operations are unchanged).
+    False, and botocore's signer as it is, if this botocore lacks what the signer builds on."""
+    missing = [name for name in _USED if not callable(getattr(botocore.auth.S3SigV4Auth, name, None))]
+    if missing:
+        log.warning("botocore's S3 signer has no %s: PutObject bodies are hashed again to sign them", missing)
+        return False
     client.meta.events.register("choose-signer.s3.PutObject", _choose_known_digest_signer)
+    return True

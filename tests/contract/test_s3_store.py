@@ -17,8 +17,9 @@ from botocore.credentials import Credentials
 
 from app.config import S3Backend
 from app.errors import BackendUnavailable, BlockNotFound
+from app.storage import s3_signing
 from app.storage.s3 import DIGEST_META, S3Store
-from app.storage.s3_signing import DIGEST_HEADER, KnownDigestS3SigV4Auth
+from app.storage.s3_signing import DIGEST_HEADER, KnownDigestS3SigV4Auth, sign_with_known_digest
 from tests.conftest import random_bytes, sha
 from tests.gateway import free_port
 from tests.services import S3_CREDS, MotoServer, unique_bucket
@@ -213,6 +214,26 @@ async def test_put_object_is_signed_with_the_digest_already_computed(
         # everything else is signed as before: a copy has no digest header, so its (empty) body is hashed
         await store.client.copy_object(Bucket=store.bucket, Key="k/y.bin", CopySource=f"{store.bucket}/k/x.bin")
         assert (await store.client.head_object(Bucket=store.bucket, Key="k/y.bin"))["ContentLength"] == len(data)
+    finally:
+        await store.close()
+
+
+async def test_a_botocore_without_the_signers_helpers_keeps_its_own_signer(
+    moto_server: MotoServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """If an upgrade drops what the known-digest signer builds on, PutObject is signed as botocore does it."""
+    monkeypatch.setattr(s3_signing, "_USED", (*s3_signing._USED, "_a_helper_an_upgrade_dropped"))
+    hashed = HashedBytes()
+    monkeypatch.setattr(botocore.auth, "sha256", hashed)
+    store = S3Store(cfg=backend(moto_server.url))
+    await store.start()
+    try:
+        assert sign_with_known_digest(store.client) is False
+        data = random_bytes(MiB, 8)
+        assert (await store.put("k/x.bin", body(data), size=len(data))).digest == sha(data)
+        assert max(hashed.sizes) >= len(data)  # botocore hashed the body to sign it
+        head = await store.client.head_object(Bucket=store.bucket, Key="k/x.bin")
+        assert head["ContentLength"] == len(data) and head["Metadata"][DIGEST_META] == sha(data)
     finally:
         await store.close()
 

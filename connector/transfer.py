@@ -181,9 +181,7 @@ class BlockTransfer:
     ) -> Iterator[tuple[torch.Tensor, ...]]:
         """Run on ``stream`` after ``after`` (default: the caller's current stream); yields (host ids, device ids)."""
         host = torch.tensor(list(block_ids), dtype=torch.int64)
-        with contextlib.ExitStack() as stack:
-            if not self._cuda:
-                stack.enter_context(one_copy_thread())
+        with contextlib.nullcontext() if self._cuda else one_copy_thread():
             if stream is None or self.streams is None:
                 yield host, host
                 return

@@ -7,6 +7,7 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY pyproject.toml setup.py README.md alembic.ini ./
 COPY alembic ./alembic
+COPY contract ./contract
 COPY connector ./connector
 COPY app ./app
 # kvgate's wheel and every dependency's, so the runtime stage installs offline and carries no build leftovers

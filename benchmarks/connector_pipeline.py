@@ -25,8 +25,8 @@ import torch
 from connector.client import BlockClient, ClientConfig
 from connector.pipeline import WorkerPipeline
 from connector.plan import BlockJob
-from connector.protocol import KVGroup, RunNaming, naming
 from connector.transfer import BlockTransfer, KVLayout
+from contract.keys import KVGroup, RunNaming, naming
 from tests.gateway import Gateway
 
 HEADS, HEAD, BLOCK = 8, 128, 16

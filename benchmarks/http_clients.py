@@ -20,7 +20,7 @@ from pathlib import Path
 import aiohttp
 import httpx
 
-from connector.protocol import block_path
+from contract.keys import block_path
 from tests.gateway import Gateway
 
 NS = "bench-model_0123456789ab"

@@ -27,7 +27,7 @@ import aiohttp
 import httpx
 
 from app.index.migrate import upgrade_head
-from connector.protocol import block_path
+from contract.keys import block_path
 from tests.conftest import TEST_NS
 from tests.gateway import Gateway
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import aiohttp
 
 from benchmarks.compare import cpu_ticks
-from connector.wire import PART_DIGEST_HEADER
+from contract.wire import PART_DIGEST_HEADER
 from tests.conftest import key_for
 from tests.gateway import Gateway
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 
 from app.api.auth import hash_token
-from connector.protocol import block_path
+from contract.keys import block_path
 from tests.gateway import Gateway
 
 NAMESPACE = "soak-model_0123456789ab"

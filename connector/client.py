@@ -34,15 +34,15 @@ from typing import Any, TypeVar
 
 import aiohttp
 
-from connector import wire
 from connector.budget import ByteBudget
 from connector.client_tls import client_ssl_context, tls_failure
 from connector.errors import ConnectorError as ConnectorError
 from connector.errors import GatewayRejected as GatewayRejected
 from connector.errors import GatewayTLSError as GatewayTLSError
 from connector.errors import GatewayUnavailable as GatewayUnavailable
-from connector.wire import DIGEST_HEADER, PART_DIGEST_HEADER, RANGE_DIGEST_HEADER
-from connector.wire import retry_after_s as retry_after_s
+from contract import wire
+from contract.wire import DIGEST_HEADER, PART_DIGEST_HEADER, RANGE_DIGEST_HEADER
+from contract.wire import retry_after_s as retry_after_s
 
 log = logging.getLogger("kvgate.connector.client")
 T = TypeVar("T")

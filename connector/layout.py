@@ -2,7 +2,7 @@
 
 Pure arithmetic over the standard library: no torch here, so the gateway side and tests can use it freely.
 
-One block object (format :data:`connector.protocol.CANONICAL_FORMAT`) is, head-outermost and C-ordered::
+One block object (format :data:`contract.keys.CANONICAL_FORMAT`) is, head-outermost and C-ordered::
 
     [kv_head][layer][k|v][token][head_dim]        elements of ``itemsize`` bytes, little-endian as in memory
 
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from connector import wire
-from connector.protocol import CANONICAL_FORMAT
+from contract import wire
+from contract.keys import CANONICAL_FORMAT
 
 if TYPE_CHECKING:
     import torch
@@ -127,12 +127,12 @@ def local_geometry(geometry: BlockGeometry, *, tp_size: int) -> BlockGeometry:
 
 
 def content_range(*, start: int, end: int, total: int) -> str:
-    """``Content-Range`` value for the half-open part ``[start, end)`` of a ``total``-byte object (connector.wire)."""
+    """``Content-Range`` value for the half-open part ``[start, end)`` of a ``total``-byte object (contract.wire)."""
     return wire.format_content_range(start=start, end=end, total=total)
 
 
 def range_header(*, start: int, end: int) -> str:
-    """``Range`` request value for the half-open byte range ``[start, end)`` (connector.wire)."""
+    """``Range`` request value for the half-open byte range ``[start, end)`` (contract.wire)."""
     return wire.format_range(start=start, end=end)
 
 

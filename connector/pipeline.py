@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from connector.client import BlockClient, ConnectorError
 from connector.layout import BlockGeometry, rank_byte_range
 from connector.plan import BlockJob
-from connector.protocol import RunNaming
 from connector.streams import CopyEvent, StreamOps
 from connector.transfer import BlockTransfer, StagedBatch
+from contract.keys import RunNaming
 
 log = logging.getLogger("kvgate.connector.pipeline")
 

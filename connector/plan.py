@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from connector.client import BlockClient, ConnectorError, LookupSlot
-from connector.protocol import RunNaming, block_path
+from contract.keys import RunNaming, block_path
 
 log = logging.getLogger("kvgate.connector.plan")
 

@@ -30,10 +30,10 @@ from connector.client import BlockClient, ClientConfig
 from connector.layout import BackendLayout, layer_views
 from connector.pipeline import WorkerPipeline
 from connector.plan import KeyScheme, SchedulerPlanner, StepPlan
-from connector.protocol import KVGroup, RunNaming, naming
 from connector.settings import ConnectorSettings
 from connector.transfer import BlockTransfer
 from connector.vllm_layout import check_layers, resolve_layout
+from contract.keys import KVGroup, RunNaming, naming
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from connector.layout import BackendLayout, LayoutError, backend_layout
-from connector.protocol import KVGroup
+from contract.keys import KVGroup
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

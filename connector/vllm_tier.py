@@ -41,8 +41,8 @@ from vllm.v1.kv_offload.tiering.base import (
 )
 
 from connector.client import BlockClient, ConnectorError, GatewayUnavailable
-from connector.protocol import parse_block_key, parse_config_key
 from connector.settings import TierSettings
+from contract.keys import parse_block_key, parse_config_key
 
 log = logging.getLogger("kvgate.vllm_tier")
 

@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from connector.client import ClientStats
 from connector.pipeline import WorkerPipeline
 from connector.plan import BlockJob
-from connector.protocol import KVGroup, RunNaming, naming
 from connector.transfer import BlockTransfer, KVLayout
+from contract.keys import KVGroup, RunNaming, naming
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 

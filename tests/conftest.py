@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from connector.protocol import block_path, namespace_for, run_fields
+from contract.keys import block_path, namespace_for, run_fields
 from tests.gateway import Gateway
 
 pytest_plugins = ["tests.services"]  # session-wide moto S3 and PostgreSQL servers, started once on first use

@@ -14,7 +14,7 @@ from app.core.eviction import Capacity
 from app.core.service import BlockService
 from app.errors import InvalidRequest, NamespaceNotFound
 from app.index import NamespaceUsage
-from connector.protocol import InvalidKey, parse_namespace
+from contract.keys import InvalidKey, parse_namespace
 
 router = APIRouter(prefix="/v1", tags=["admin"])
 

@@ -36,7 +36,7 @@ from app.api.limits import extend_openapi
 from app.api.tls import peer_cert
 from app.config import Settings, TokenSpec
 from app.errors import Forbidden, PayloadTooLarge, Unauthorized
-from connector.protocol import MAX_KEY_LEN, InvalidKey, parse_block_key, parse_config_key, parse_namespace
+from contract.keys import MAX_KEY_LEN, InvalidKey, parse_block_key, parse_config_key, parse_namespace
 
 log = logging.getLogger("kvgate.auth")
 

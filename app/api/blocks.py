@@ -19,9 +19,9 @@ from app.core.parts import parse_content_range
 from app.core.reads import OpenBlock, read_range_verified, resolve_range
 from app.core.service import BlockService, parse_key
 from app.errors import InvalidRequest, LengthRequired, PayloadTooLarge
-from connector import wire
-from connector.protocol import BlockKey
-from connector.wire import DIGEST_HEADER, PART_DIGEST_HEADER, RANGE_DIGEST_HEADER
+from contract import wire
+from contract.keys import BlockKey
+from contract.wire import DIGEST_HEADER, PART_DIGEST_HEADER, RANGE_DIGEST_HEADER
 
 router = APIRouter(prefix="/v1/blocks", tags=["blocks"], route_class=ThinRoute)  # the data path: cheap binding
 

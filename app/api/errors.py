@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from app import errors as e
-from connector.wire import unsatisfied_content_range
+from contract.wire import unsatisfied_content_range
 
 log = logging.getLogger("kvgate.api")
 

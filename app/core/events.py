@@ -29,7 +29,7 @@ from typing import Any, Literal, Protocol
 
 from app.errors import InvalidRequest
 from app.index import BlockRecord
-from connector.protocol import InvalidKey, parse_block_key
+from contract.keys import InvalidKey, parse_block_key
 
 log = logging.getLogger("kvgate.events")
 

@@ -24,7 +24,7 @@ from app.config import Settings
 from app.core.service import BlockService
 from app.errors import InsufficientStorage, KVGateError
 from app.index import Candidate, NamespaceUsage
-from connector.protocol import InvalidKey, parse_block_key
+from contract.keys import InvalidKey, parse_block_key
 
 log = logging.getLogger("kvgate.eviction")
 

@@ -37,9 +37,9 @@ from app.errors import BlockNotFound, Conflict, DigestMismatch, InvalidRequest, 
 from app.index import Index, PartRecord
 from app.storage import BlockStore
 from app.storage.base import BodyChecker, Region, Staged, UploadStore
-from connector import wire
-from connector.protocol import BlockKey, InvalidKey, parse_block_key
-from connector.wire import ByteSpan as ByteSpan  # its home before connector.wire
+from contract import wire
+from contract.keys import BlockKey, InvalidKey, parse_block_key
+from contract.wire import ByteSpan as ByteSpan  # its home before contract.wire
 
 log = logging.getLogger("kvgate.parts")
 
@@ -65,7 +65,7 @@ def one_upload(parts: list[PartRecord]) -> str | None:
 
 
 def parse_content_range(value: str) -> ByteSpan:
-    """``bytes a-b/total`` (inclusive ``b``) -> ByteSpan (connector.wire); 400 if malformed, 416 past ``total``."""
+    """``bytes a-b/total`` (inclusive ``b``) -> ByteSpan (contract.wire); 400 if malformed, 416 past ``total``."""
     try:
         return wire.parse_content_range(value)
     except wire.RangeNotSatisfiable as exc:

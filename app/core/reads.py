@@ -10,7 +10,7 @@ from app.core.keystate import BlockMeta
 from app.errors import BlockNotFound, DigestMismatch, InvalidRequest, RangeNotSatisfiable, SizeMismatch
 from app.storage import ObjectReader
 from app.storage.base import BodyChecker
-from connector import wire
+from contract import wire
 
 log = logging.getLogger("kvgate.reads")
 

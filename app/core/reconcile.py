@@ -9,7 +9,7 @@
 - S3 versions that no row names (a write that never committed, a replaced version) are removed once older than
   ``stale_parts_s``;
 - data without a row is adopted: size and digest recomputed (bounded concurrency), namespace/rank/group parsed
-  from the key with connector.protocol.parse_block_key; created/last access = the object's mtime, 0 hits;
+  from the key with contract.keys.parse_block_key; created/last access = the object's mtime, 0 hits;
 - keys that are not block keys: ``<ns>/config.json`` is adopted into the namespaces table if its fields hash to
   the name; anything else is left alone and logged;
 - incomplete multi-part uploads (``_parts/``) older than ``stale_parts_s`` are dropped (data, then rows), and so
@@ -32,7 +32,7 @@ from app.core.service import BlockService
 from app.errors import BlockNotFound
 from app.index import BlockRecord, Index
 from app.storage import BlockStore, ObjectInfo
-from connector.protocol import InvalidKey, check_namespace_fields, parse_block_key, parse_config_key
+from contract.keys import InvalidKey, check_namespace_fields, parse_block_key, parse_config_key
 
 log = logging.getLogger("kvgate.reconcile")
 

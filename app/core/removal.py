@@ -21,7 +21,7 @@ from app.core.parts import PartAssembler
 from app.errors import BlockNotFound, InvalidRequest, KVGateError, NamespaceNotFound
 from app.index import BlockRecord, Candidate, Index
 from app.storage import BlockStore
-from connector.protocol import BlockKey, InvalidKey, config_path, parse_block_key, parse_namespace
+from contract.keys import BlockKey, InvalidKey, config_path, parse_block_key, parse_namespace
 
 log = logging.getLogger("kvgate.service")
 

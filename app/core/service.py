@@ -44,7 +44,7 @@ from app.errors import (
 from app.index import BlockRecord, Index
 from app.storage import BlockStore
 from app.storage.base import BodyChecker, Staged
-from connector.protocol import (
+from contract.keys import (
     BlockKey,
     InvalidKey,
     check_block_paths,

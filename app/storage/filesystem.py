@@ -175,7 +175,7 @@ class FilesystemStore:
     # -- paths -----------------------------------------------------------------------------------------------
 
     def path_of(self, key: str) -> Path:
-        """The file of ``key``; keys are validated by connector.protocol, this is defence in depth."""
+        """The file of ``key``; keys are validated by contract.keys, this is defence in depth."""
         parts = key.split("/")
         if key.startswith("/") or "\\" in key or "\0" in key or any(p in ("", ".", "..") for p in parts):
             raise InvalidRequest(f"unsafe key {key[:120]!r}")

@@ -23,7 +23,7 @@ import typer
 
 from app.tools.bench_clients import Client, make_client
 from app.tools.tls_client import CaCert, ClientCert, ClientKey, ClientTLS
-from connector.protocol import block_path
+from contract.keys import block_path
 
 NAMESPACE = "kvgate-bench_000000000000"
 OPS = ("put", "get", "head", "lookup")

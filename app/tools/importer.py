@@ -28,7 +28,7 @@ from app.config import FsBackend, Settings
 from app.core.keystate import MetaCache
 from app.core.service import BlockService
 from app.errors import KVGateError
-from connector.protocol import InvalidKey, parse_block_key, parse_config_key
+from contract.keys import InvalidKey, parse_block_key, parse_config_key
 
 log = logging.getLogger("kvgate.importer")
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from connector.protocol import DIGEST_HEADER
+from contract.wire import DIGEST_HEADER
 from tests.conftest import key_for, random_bytes, sha
 from tests.gateway import Gateway
 
@@ -139,7 +139,7 @@ def test_operator_path_with_curl(gateway: Gateway, tmp_path: Path) -> None:
 
 
 async def test_namespace_config(client: httpx.AsyncClient) -> None:
-    from connector.protocol import namespace_for, run_fields
+    from contract.keys import namespace_for, run_fields
 
     fields = run_fields(
         model_name="org/m",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 
-from connector.protocol import block_path, namespace_for
+from contract.keys import block_path, namespace_for
 from tests.conftest import agnostic_fields
 
 BLOCK_BYTES = 4096

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 
 from app.tools.bench import NAMESPACE, Payloads, bench_key
-from connector.protocol import parse_block_key
+from contract.keys import parse_block_key
 from tests.gateway import REPO, Gateway
 
 FIELDS = {

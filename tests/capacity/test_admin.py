@@ -6,7 +6,7 @@ from pathlib import Path
 
 import httpx
 
-from connector.protocol import config_path, namespace_for
+from contract.keys import config_path, namespace_for
 from tests.capacity.helpers import block_files, index_rows
 from tests.conftest import TEST_NS, agnostic_fields, key_for, sha
 from tests.gateway import Gateway, settled_stats

@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from connector.protocol import config_path, namespace_for
+from contract.keys import config_path, namespace_for
 from tests.capacity.helpers import block_files, index_rows
 from tests.conftest import agnostic_fields, key_for, sha
 from tests.gateway import Gateway

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from connector import layout, protocol
+from connector import layout
 from connector.layout import (
     BlockGeometry,
     content_range,
@@ -20,6 +20,7 @@ from connector.layout import (
     range_header,
     rank_byte_range,
 )
+from contract import keys as protocol
 
 GEOM = BlockGeometry(num_layers=4, num_kv_heads=8, head_size=128, block_size=16, itemsize=2)
 
@@ -118,9 +119,9 @@ from connector.layout import (  # noqa: E402
     backend_layout,
     layer_views,
 )
-from connector.protocol import KVGroup  # noqa: E402
-from connector.protocol import naming as run_naming  # noqa: E402
 from connector.transfer import BlockTransfer  # noqa: E402
+from contract.keys import KVGroup  # noqa: E402
+from contract.keys import naming as run_naming  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 B, LAYERS, BS, D = 5, 2, 32, 32

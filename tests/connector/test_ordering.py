@@ -26,8 +26,8 @@ import torch
 from connector.client import BlockClient, ClientConfig
 from connector.pipeline import WorkerPipeline
 from connector.plan import BlockJob
-from connector.protocol import KVGroup, RunNaming, naming
 from connector.transfer import BlockTransfer, KVLayout
+from contract.keys import KVGroup, RunNaming, naming
 from tests.connector.fakes import FakeStream, Op, RecordingStreams
 from tests.gateway import Gateway
 

@@ -14,7 +14,8 @@ import httpx
 import pytest
 
 from app.core.parts import PARTS_PREFIX
-from connector.protocol import PART_DIGEST_HEADER, InvalidKey, parse_block_key
+from contract.keys import InvalidKey, parse_block_key
+from contract.wire import PART_DIGEST_HEADER
 from tests.conftest import key_for, random_bytes, sha
 from tests.gateway import REPO, Gateway
 

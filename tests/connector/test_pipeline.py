@@ -14,8 +14,9 @@ import torch
 
 from connector.client import BlockClient, ClientConfig
 from connector.plan import BlockJob, KeyScheme, SchedulerPlanner
-from connector.protocol import RANGE_DIGEST_HEADER, KVGroup, RunNaming, naming
 from connector.transfer import BlockTransfer, KVLayout
+from contract.keys import KVGroup, RunNaming, naming
+from contract.wire import RANGE_DIGEST_HEADER
 from tests.conftest import sha
 from tests.gateway import Gateway, free_port
 

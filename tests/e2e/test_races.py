@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from connector.wire import PART_DIGEST_HEADER
+from contract.wire import PART_DIGEST_HEADER
 from tests.conftest import key_for, random_bytes
 from tests.e2e.races import Ledger, assert_fs_agrees, assert_http_agrees, assert_stats_exact, sha, while_reading
 from tests.gateway import Gateway, settled_stats

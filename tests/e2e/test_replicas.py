@@ -13,7 +13,7 @@ import aioboto3
 import httpx
 import pytest
 
-from connector.protocol import namespace_for
+from contract.keys import namespace_for
 from tests.conftest import TEST_NS, key_for, random_bytes, sha
 from tests.gateway import Gateway
 from tests.services import S3_CREDS, MotoServer, PgServer, unique_bucket

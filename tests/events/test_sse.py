@@ -13,7 +13,7 @@ import httpx
 from typer.testing import CliRunner
 
 from app.tools.cli import cli
-from connector.protocol import namespace_for
+from contract.keys import namespace_for
 from tests.conftest import TEST_NS, agnostic_fields, key_for
 from tests.events.helpers import events_gateway, hello, read_batches, sse
 from tests.gateway import Gateway

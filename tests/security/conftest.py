@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from app.api.auth import hash_token
-from connector.protocol import namespace_for
+from contract.keys import namespace_for
 from tests.conftest import TEST_NS, agnostic_fields
 from tests.gateway import Gateway
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from connector.protocol import DIGEST_HEADER, RANGE_DIGEST_HEADER
+from contract.wire import DIGEST_HEADER, RANGE_DIGEST_HEADER
 from tests.conftest import key_for, random_bytes, sha
 from tests.unit.inprocess import Gateway, running, settings_for
 

@@ -35,7 +35,11 @@ def _imports(path: Path) -> Iterator[str]:
 
 
 def _graph() -> dict[str, set[str]]:
-    return {_module(p): set(_imports(p)) for top in ("app", "connector") for p in sorted((REPO / top).rglob("*.py"))}
+    return {
+        _module(p): set(_imports(p))
+        for top in ("app", "contract", "connector")
+        for p in sorted((REPO / top).rglob("*.py"))
+    }
 
 
 GRAPH = _graph()
@@ -67,23 +71,21 @@ def test_the_graph_is_read() -> None:
         (("app.storage", "app.index", "app.config", "app.errors"), ("app.core",)),
         (("app.api", "app.core", "app.storage", "app.index", "app.config", "app.errors", "app.main"), ("app.tools",)),
         (("connector",), ("app",)),
+        (("app",), ("connector",)),
+        (("contract",), ("app", "connector")),
     ],
 )
 def test_lower_layers_do_not_import_higher_ones(sources: tuple[str, ...], forbidden: tuple[str, ...]) -> None:
     assert _violations(sources, forbidden) == []
 
 
-def test_app_uses_only_the_key_contract_and_the_wire_format_of_the_connector() -> None:
-    used = {imp for mod, imports in GRAPH.items() if _under(mod, "app") for imp in imports if _under(imp, "connector")}
-    used.discard("connector")  # ``from connector import wire``: the package itself (an empty __init__)
-    assert {imp for imp in used if not _under(imp, "connector.protocol", "connector.wire")} == set()
-
-
-def test_the_shared_modules_are_stdlib_only() -> None:
-    """``connector.protocol`` and ``connector.wire`` are what both halves share: no third-party import, no app."""
-    for mod in ("connector.protocol", "connector.wire"):
+def test_the_shared_contract_is_stdlib_only() -> None:
+    """``contract`` is what both halves share: no third-party import, nothing of ``app`` or ``connector``."""
+    shared = [mod for mod in GRAPH if _under(mod, "contract")]
+    assert {"contract.keys", "contract.wire"} <= set(shared)
+    for mod in shared:
         tops = {imp.split(".")[0] for imp in GRAPH[mod]}
-        assert tops <= {*sys.stdlib_module_names, "__future__", "connector"}, (mod, tops)
+        assert tops <= {*sys.stdlib_module_names, "__future__", "contract"}, (mod, tops)
 
 
 def test_only_the_vllm_modules_import_vllm() -> None:

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from app.core.parts import PARTS_PREFIX
-from connector.protocol import PART_DIGEST_HEADER
+from contract.wire import PART_DIGEST_HEADER
 from tests.conftest import key_for, random_bytes, sha
 from tests.unit.inprocess import Gateway, running, settings_for
 

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connector import protocol
-from connector.protocol import (
+from contract import keys as protocol
+from contract.keys import (
     CANONICAL_FORMAT,
     InvalidKey,
     KVGroup,

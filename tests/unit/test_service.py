@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from connector.protocol import namespace_for, run_fields
+from contract.keys import namespace_for, run_fields
 from tests.conftest import TEST_NS, agnostic_fields, key_for, random_bytes, sha
 from tests.unit.inprocess import Gateway, running, settings_for
 

@@ -1,4 +1,4 @@
-"""connector.wire, property-based: what is formatted parses back to the same value, and every malformed form of
+"""contract.wire, property-based: what is formatted parses back to the same value, and every malformed form of
 Range, Content-Range, ETag and the digest headers is rejected (MalformedHeader), never half-read."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from app.core.parts import parse_content_range
 from app.core.reads import resolve_range
 from app.errors import InvalidRequest
 from app.errors import RangeNotSatisfiable as GatewayRangeNotSatisfiable
-from connector import wire
-from connector.wire import MalformedHeader, RangeNotSatisfiable
+from contract import wire
+from contract.wire import MalformedHeader, RangeNotSatisfiable
 
 relaxed = settings(deadline=None)  # two shared cores: a slow example is not a failure
 MAX_TOTAL = 10**15 - 1  # Content-Range numbers are at most 15 digits

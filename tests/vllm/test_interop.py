@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from connector.protocol import (
+from contract.keys import (
     CANONICAL_FORMAT,
     KVGroup,
     block_path,

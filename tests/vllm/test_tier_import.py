@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from connector.protocol import config_path, namespace_for
+from contract.keys import config_path, namespace_for
 from tests.conftest import agnostic_fields, key_for, random_bytes, sha
 from tests.gateway import Gateway
 from tests.vllm.tier_harness import kvgate_import

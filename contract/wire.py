@@ -1,8 +1,8 @@
 """kvgate's wire format, owned here once for the gateway and the connector alike: the ``Range`` and
 ``Content-Range`` values, ETag quoting and the sha256 digest headers.
 
-Pure functions over strings, no HTTP library and no imports from ``app``: ``app`` may import this module, as it
-imports ``connector.protocol``. Byte ranges are half-open ``[start, end)`` in Python and inclusive on the wire.
+Pure functions over strings, no HTTP library, standard library only: ``app`` and ``connector`` both import it.
+Byte ranges are half-open ``[start, end)`` in Python and inclusive on the wire.
 Malformed values raise ``MalformedHeader``; a well-formed range that selects nothing of the object raises
 ``RangeNotSatisfiable`` (with the object's size, for the 416's ``Content-Range: bytes */size``).
 """

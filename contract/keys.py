@@ -1,4 +1,4 @@
-"""The wire contract between vLLM nodes and the gateway. Standard library only: the app imports it.
+"""The key contract between vLLM nodes and the gateway. Standard library only: both halves import it.
 
 Keys are the relative paths that vLLM 0.33's ``FileMapper`` produces::
 
@@ -16,11 +16,6 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-# re-exported from their old home, so imports of them from here keep working
-from connector.wire import DIGEST_HEADER as DIGEST_HEADER
-from connector.wire import PART_DIGEST_HEADER as PART_DIGEST_HEADER
-from connector.wire import RANGE_DIGEST_HEADER as RANGE_DIGEST_HEADER
 
 DIGEST_LEN = 12
 CONFIG_FILENAME = "config.json"

@@ -1,4 +1,5 @@
-"""create_app(settings): the lifespan builds store, index and service; routes and the error table are wired."""
+"""create_app(settings): the lifespan builds store, index and service; routes, middleware and the error table are
+wired. create_server(settings): that app in the server ``kvgate serve`` runs."""
 
 from __future__ import annotations
 
@@ -15,8 +16,12 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI
 
 from app import __version__
-from app.api import admin, auth, blocks, docs, errors, events, health, limits, lookup, metrics, namespaces
-from app.api.thin import BlockFastPath
+from app.api import errors, openapi
+from app.api.middleware import auth, limits, metrics
+from app.api.routes import admin, blocks, docs, events, health, lookup, namespaces
+from app.api.routes import metrics as metrics_route
+from app.api.routes.thin import BlockFastPath
+from app.api.server.runner import GatewayServer, build_server
 from app.backends import Backends, open_backends
 from app.config import Settings
 from app.core.events import EventBus
@@ -49,7 +54,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version=__version__,
         description=DESCRIPTION,
         lifespan=lifespan,
-        docs_url=None,  # served by app.api.docs from packaged assets, not a CDN
+        docs_url=None,  # served by app.api.routes.docs from packaged assets, not a CDN
         redoc_url=None,
     )
     app.state.settings = cfg
@@ -63,8 +68,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     limits.install(app, cfg)  # inside auth: an unauthenticated request takes no upload slot
     auth.install(app, cfg)
     if cfg.metrics_enabled:
-        metrics.install(app)
+        metrics.install(app)  # outermost: it counts every answer, refusals included
+        app.include_router(metrics_route.router)
+    openapi.install(app, cfg)
     return app
+
+
+def create_server(settings: Settings | None = None) -> GatewayServer:
+    """The app in its server (uvicorn, the bounded protocol, TLS and its reloader); ValueError when the start-up
+    rules refuse the settings."""
+    cfg = settings or Settings()
+    return build_server(app=create_app(cfg), settings=cfg)
 
 
 @contextlib.asynccontextmanager

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from app.api.auth import hash_token
+from app.api.middleware.principals import hash_token
 from contract.keys import block_path
 from tests.gateway import Gateway
 

@@ -52,15 +52,8 @@ def serve(
     ] = None,
 ) -> None:
     """Run the gateway (uvicorn with uvloop and httptools); HTTPS with --tls-certfile (reloaded on SIGHUP or change)."""
-    import uvicorn
-
-    from app.api.auth import check_bind
-    from app.api.http_body import zero_copy_body
-    from app.api.limits import bounded_httptools
-    from app.api.tls import CertReloader, bind_warnings, server_context, with_peer_cert
-    from app.api.tls import serve as serve_with_reload
     from app.config import Settings
-    from app.main import create_app
+    from app.main import create_server
 
     overrides: dict[str, Any] = {"host": host, "port": port, "data_dir": data_dir, "db_url": db_url}
     overrides |= {
@@ -76,32 +69,13 @@ def serve(
             "run several gateways as separate processes behind a load balancer", param_hint="workers"
         )
     try:
-        check_bind(settings)
-        warnings = bind_warnings(settings)
-        context = server_context(settings) if settings.tls_enabled else None
+        server = create_server(settings)
     except ValueError as exc:
         typer.echo(f"kvgate: {exc}", err=True)
         raise typer.Exit(2) from exc
-    for warning in warnings:
+    for warning in server.warnings:
         typer.echo(f"kvgate: WARNING: {warning}", err=True)
-    http = zero_copy_body(
-        bounded_httptools(max_header_bytes=settings.max_header_bytes, header_timeout_s=settings.header_timeout_s)
-    )
-    config = uvicorn.Config(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        loop="uvloop",
-        http=with_peer_cert(http) if settings.tls_client_ca is not None else http,
-        h11_max_incomplete_event_size=settings.max_header_bytes,
-        limit_concurrency=settings.limit_concurrency,
-        log_level=settings.log_level,
-        access_log=False,
-        timeout_keep_alive=30,
-        ssl_context_factory=(lambda _config, _default: context) if context is not None else None,
-    )
-    reloader = CertReloader(context=context, settings=settings) if context is not None else None
-    if not serve_with_reload(config, reloader=reloader):
+    if not server.run():
         raise typer.Exit(3)  # as uvicorn.run: the server did not start
 
 
@@ -116,7 +90,7 @@ def token_hash(
     """Print the sha256 of a token, as the tokens settings store it."""
     import sys
 
-    from app.api.auth import hash_token
+    from app.api.middleware.principals import hash_token
 
     text = token if token is not None else sys.stdin.readline().strip()
     if not text:
@@ -134,7 +108,7 @@ def token_new(
     import json
     import secrets
 
-    from app.api.auth import hash_token
+    from app.api.middleware.principals import hash_token
     from app.config import TokenSpec
 
     token = secrets.token_urlsafe(32)

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.api.auth import hash_token
+from app.api.middleware.principals import hash_token
 from tests.gateway import Gateway
 
 TOKEN = "docs-browser-test-token"

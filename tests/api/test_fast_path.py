@@ -1,4 +1,4 @@
-"""The block data path is served by app.api.thin.BlockFastPath, and answers exactly as FastAPI's full stack does.
+"""The block data path is served by app.api.routes.thin.BlockFastPath, and answers exactly as FastAPI's full stack does.
 
 BlockFastPath relies on Starlette/FastAPI details (route regexes, ``scope`` entries, exception handler lookup), so
 these tests pin both: the same requests go to an app with the fast path and to one without it, and every answer
@@ -15,7 +15,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from app.api.thin import BlockFastPath
+from app.api.routes.thin import BlockFastPath
 from app.config import Settings
 from app.main import create_app
 from tests.conftest import key_for, random_bytes, sha

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from app.api.auth import hash_token
+from app.api.middleware.principals import hash_token
 from contract.keys import namespace_for
 from tests.conftest import TEST_NS, agnostic_fields
 from tests.gateway import Gateway

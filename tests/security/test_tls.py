@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.api.auth import hash_token
+from app.api.middleware.principals import hash_token
 from connector.client import BlockClient, ClientConfig, GatewayTLSError
 from tests.conftest import key_for, random_bytes
 from tests.gateway import Gateway

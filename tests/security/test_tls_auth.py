@@ -15,7 +15,7 @@ import pytest
 from cryptography import x509
 from cryptography.x509.oid import NameOID
 
-from app.api.cert_identity import CertPrincipals, alt_names, canonical_subject, subject_name
+from app.api.middleware.cert_identity import CertPrincipals, alt_names, canonical_subject, subject_name
 from app.config import TokenSpec
 from tests.conftest import TEST_NS
 from tests.security.conftest import OTHER_NS, bearer, tokens_json

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.api.tls import bind_warnings
+from app.api.server.bind import bind_warnings
 from app.config import Settings, TokenSpec
 from tests.conftest import key_for, random_bytes
 from tests.gateway import REPO, free_port

@@ -2,16 +2,21 @@
 transport. No socket, no subprocess: the service, parts, capacity, auth and limits at the speed of a function call.
 
 The store is the memory store (or a filesystem store under tmp_path) and the index a SQLite file under tmp_path, as
-the server has them; what this cannot see (uvicorn's protocol, header limits, a crash) stays in the end-to-end tests.
+the server has them. :func:`served` runs the whole server (``create_server``, what ``kvgate serve`` runs) in a thread
+on a loopback port, for uvicorn's protocol and header limits; a crash stays in the end-to-end tests.
 """
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import shutil
+import socket
 import tempfile
-from collections.abc import AsyncIterator
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +28,7 @@ from app.config import FsBackend, MemoryBackend, Settings
 from app.core.eviction import Capacity
 from app.core.service import BlockService
 from app.index.migrate import upgrade_head
-from app.main import create_app
+from app.main import create_app, create_server
 
 
 @dataclass
@@ -93,3 +98,29 @@ async def running(settings: Settings, *, headers: dict[str, str] | None = None) 
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://kvgate.test", headers=headers) as client:
             yield Gateway(app=app, client=client)
+
+
+@contextlib.contextmanager
+def served(settings: Settings, *, timeout_s: float = 30.0) -> Iterator[str]:
+    """The server ``kvgate serve`` runs (``create_server``: uvicorn, the bounded httptools protocol, TLS when set),
+    in a thread of this process on a loopback port; yields its base URL and stops it on exit."""
+    if settings.db_url is None and not (settings.data_dir / "index.db").exists():
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        asyncio.run(_migrated_index(settings.data_dir / "index.db"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    gateway = create_server(settings.model_copy(update={"host": "127.0.0.1", "port": port}))
+    thread = threading.Thread(target=gateway.run, name="kvgate-served", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not gateway.server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the in-process server did not start")
+        time.sleep(0.02)
+    scheme = "https" if settings.tls_enabled else "http"
+    try:
+        yield f"{scheme}://127.0.0.1:{port}"
+    finally:
+        gateway.server.should_exit = True
+        thread.join(timeout_s)

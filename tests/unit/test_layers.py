@@ -60,8 +60,8 @@ def _violations(sources: tuple[str, ...], forbidden: tuple[str, ...]) -> list[tu
 
 
 def test_the_graph_is_read() -> None:
-    assert "app.core.service" in GRAPH and "app.api.blocks" in GRAPH and "connector.vllm" in GRAPH
-    assert "app.core.service" in GRAPH["app.api.blocks"]
+    assert "app.core.service" in GRAPH and "app.api.routes.blocks" in GRAPH and "connector.vllm" in GRAPH
+    assert "app.core.service" in GRAPH["app.api.routes.blocks"]
 
 
 @pytest.mark.parametrize(
@@ -73,6 +73,10 @@ def test_the_graph_is_read() -> None:
         (("connector",), ("app",)),
         (("app",), ("connector",)),
         (("contract",), ("app", "connector")),
+        # the HTTP edge, by kind: routes and middleware know nothing of the server that runs them, nor each other
+        (("app.api.routes", "app.api.middleware", "app.api.errors"), ("app.api.server", "app.api.openapi")),
+        (("app.api.routes",), ("app.api.middleware",)),
+        (("app.api.middleware",), ("app.api.routes",)),
     ],
 )
 def test_lower_layers_do_not_import_higher_ones(sources: tuple[str, ...], forbidden: tuple[str, ...]) -> None:
@@ -91,3 +95,47 @@ def test_the_shared_contract_is_stdlib_only() -> None:
 def test_only_the_vllm_modules_import_vllm() -> None:
     importers = {mod for mod, imports in GRAPH.items() for imp in imports if _under(imp, "vllm")}
     assert importers == {"connector.vllm", "connector.vllm_layout", "connector.vllm_tier"}
+
+
+def test_api_is_split_by_kind() -> None:
+    """``app/api`` holds the error table and the spec edits; everything else is a route, a middleware or the server."""
+    flat = {mod for mod in GRAPH if mod.startswith("app.api.") and mod.count(".") == 2}
+    assert flat == {"app.api.errors", "app.api.openapi", "app.api.routes", "app.api.middleware", "app.api.server"}
+
+
+def test_only_the_app_builder_assembles_the_server() -> None:
+    """The server is put together in one place (``app.main.create_server``), so tests can run what ``serve`` runs."""
+    users = {
+        mod
+        for mod, imports in GRAPH.items()
+        if not _under(mod, "app.api.server")
+        for imp in imports
+        if _under(imp, "app.api.server")
+    }
+    assert users == {"app.main"}
+
+
+def _cycles(packages: tuple[str, ...]) -> list[list[str]]:
+    """Import cycles among the modules of ``packages`` (lazy imports count: a cycle is a cycle)."""
+    nodes = {mod for mod in GRAPH if _under(mod, *packages)}
+    edges = {mod: {imp for imp in GRAPH[mod] if imp in nodes and imp != mod} for mod in nodes}
+    found: list[list[str]] = []
+    state: dict[str, int] = {}
+
+    def visit(mod: str, stack: list[str]) -> None:
+        state[mod] = 1
+        for nxt in sorted(edges[mod]):
+            if state.get(nxt) == 1:
+                found.append([*stack[stack.index(nxt) :], mod, nxt] if nxt in stack else [mod, nxt])
+            elif nxt not in state:
+                visit(nxt, [*stack, mod])
+        state[mod] = 2
+
+    for mod in sorted(nodes):
+        if mod not in state:
+            visit(mod, [])
+    return found
+
+
+def test_the_edge_has_no_import_cycle() -> None:
+    assert _cycles(("app.api", "app.main")) == []

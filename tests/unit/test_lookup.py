@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from app.api.lookup import LookupResponse, LookupSlot
+from app.api.routes.lookup import LookupResponse, LookupSlot
 from tests.conftest import key_for, random_bytes, sha
 from tests.unit.inprocess import Gateway
 

@@ -8,8 +8,8 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
-from app.api.deps import service, settings
 from app.api.errors import documented
+from app.api.routes.deps import service, settings
 from app.config import Settings
 from app.core.service import BlockService
 from app.errors import PayloadTooLarge

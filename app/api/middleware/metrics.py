@@ -1,4 +1,4 @@
-"""Prometheus metrics: one registry per app instance, a pure-ASGI middleware, and ``GET /metrics``.
+"""Prometheus metrics: one registry per app instance and a pure-ASGI middleware (``GET /metrics`` is a route).
 
 Requests are labelled by the route's path template (``/v1/blocks/{path:path}``), never the raw URL, so the label
 cardinality is bounded by the number of routes. Hits, misses, evictions and usage are read at scrape time from the
@@ -11,16 +11,13 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from fastapi import APIRouter, Request, Response
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
     GCCollector,
     Histogram,
     PlatformCollector,
     ProcessCollector,
-    generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -113,22 +110,9 @@ class MetricsMiddleware:
                 self.m.bytes_out.inc(sent)
 
 
-router = APIRouter(tags=["health"])
-
-
-@router.get(
-    "/metrics",
-    summary="Prometheus metrics (text exposition format)",
-    response_class=Response,
-    responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "metrics"}},
-)
-async def metrics(request: Request) -> Response:
-    registry: CollectorRegistry = request.app.state.metrics_registry
-    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
-
-
 def install(app: Any) -> None:
-    """Give ``app`` its own registry, the middleware and the route."""
+    """Give ``app`` its own registry (``app.state.metrics_registry``, served by :mod:`app.api.routes.metrics`) and
+    the middleware."""
     registry = CollectorRegistry(auto_describe=True)
     http = HttpMetrics(registry)
     registry.register(ServiceCollector(app.state))
@@ -138,4 +122,3 @@ def install(app: Any) -> None:
     PlatformCollector(registry=registry)
     app.state.metrics_registry = registry
     app.add_middleware(MetricsMiddleware, metrics=http)
-    app.include_router(router)

@@ -7,8 +7,8 @@ from typing import Annotated
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
-from app.api.deps import service
 from app.api.errors import documented, response_for
+from app.api.routes.deps import service
 from app.core.service import BlockService
 from app.errors import KVGateError
 

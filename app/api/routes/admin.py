@@ -8,8 +8,8 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, Field
 
-from app.api.deps import service
 from app.api.errors import documented
+from app.api.routes.deps import service
 from app.core.eviction import Capacity
 from app.core.service import BlockService
 from app.errors import InvalidRequest, NamespaceNotFound

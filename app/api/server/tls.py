@@ -12,25 +12,23 @@ in the request scope.
   OpenSSL keeps one certificate per key type, so a new type would be served next to the old one.
 - :func:`with_peer_cert` (a uvicorn httptools protocol subclass, built for uvicorn 0.55) puts the verified client
   certificate into ``scope["extensions"]["tls"]``, in the shape of the ASGI TLS extension, plus the parsed form
-  (``peercert``) that :mod:`app.api.cert_identity` maps to a principal. uvicorn itself puts no TLS data in the scope.
+  (``peercert``) that :mod:`app.api.middleware.cert_identity` maps to a principal. uvicorn itself puts no TLS
+  data in the scope.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
-import signal
 import ssl
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from app.api.cert_identity import subject_name
+from app.api.middleware.cert_identity import subject_name
 from app.config import Settings
 
 if TYPE_CHECKING:
-    import uvicorn
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 log = logging.getLogger("kvgate.tls")
@@ -158,70 +156,3 @@ def with_peer_cert(base: type[HttpToolsProtocol]) -> type[HttpToolsProtocol]:
 
     PeerCertProtocol.__name__ = f"PeerCert{base.__name__}"
     return PeerCertProtocol
-
-
-def peer_cert(scope: Any) -> dict[str, Any] | None:
-    """The verified client certificate of the request's connection, if it presented one."""
-    tls = (scope.get("extensions") or {}).get("tls")
-    return tls.get("peercert") if isinstance(tls, dict) else None
-
-
-# -- serving ------------------------------------------------------------------------------------------------------
-
-
-def serve(config: uvicorn.Config, *, reloader: CertReloader | None) -> bool:
-    """Run uvicorn's server on ``config``'s loop, with the certificate reloader (SIGHUP, file watch) beside it.
-
-    Returns whether the server started (``uvicorn.run`` exits with status 3 when it did not).
-    """
-    import uvicorn
-
-    server = uvicorn.Server(config)
-
-    async def main() -> None:
-        watcher: asyncio.Task[None] | None = None
-        if reloader is not None:
-            loop = asyncio.get_running_loop()
-            with contextlib.suppress(NotImplementedError, AttributeError):
-                loop.add_signal_handler(signal.SIGHUP, lambda: reloader.reload(why="SIGHUP"))
-            interval = reloader.settings.tls_reload_interval_s
-            if interval > 0:
-                watcher = asyncio.create_task(reloader.watch(interval_s=interval))
-        try:
-            await server.serve()
-        finally:
-            if watcher is not None:
-                watcher.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await watcher
-
-    with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
-        runner.run(main())
-    return bool(server.started)
-
-
-def bind_warnings(settings: Settings) -> list[str]:
-    """The start-up rule on transport security: a non-loopback bind without TLS is warned about, or refused
-    (ValueError) with ``require_tls``; certificate principals without client certificates are warned about."""
-    from app.api.auth import is_loopback, load_tokens
-
-    warnings = []
-    if settings.tls_client_ca is None and any(s.cert_subject or s.cert_san for s in load_tokens(settings)):
-        warnings.append(
-            "the tokens name client certificates (cert_subject / cert_san) but KVGATE_TLS_CLIENT_CA is not set: "
-            "no client certificate is asked for, so those principals can never authenticate"
-        )
-    if settings.tls_enabled:
-        return warnings
-    if settings.require_tls:
-        raise ValueError(
-            "refusing to start without TLS (KVGATE_REQUIRE_TLS is set): set KVGATE_TLS_CERTFILE and "
-            "KVGATE_TLS_KEYFILE (see the README's TLS section)"
-        )
-    if not is_loopback(settings.host):
-        warnings.append(
-            f"listening on {settings.host} without TLS: bearer tokens and KV blocks (the users' prompts in another "
-            "form) cross the network in clear text, readable and alterable by anyone on the path. Set "
-            "KVGATE_TLS_CERTFILE / KVGATE_TLS_KEYFILE, and KVGATE_REQUIRE_TLS=true to make this an error."
-        )
-    return warnings

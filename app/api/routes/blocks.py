@@ -9,9 +9,9 @@ from fastapi import APIRouter, Depends, Header, Request, Response
 from pydantic import BaseModel, Field
 from starlette.types import Receive, Scope, Send
 
-from app.api.deps import service, settings
 from app.api.errors import documented
-from app.api.thin import ThinRoute
+from app.api.routes.deps import service, settings
+from app.api.routes.thin import ThinRoute
 from app.config import Settings
 from app.core.events import META_HEADER, parse_meta_header, writer_meta
 from app.core.keystate import BlockMeta

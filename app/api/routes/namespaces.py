@@ -7,8 +7,8 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, Response
 
-from app.api.deps import service
 from app.api.errors import documented
+from app.api.routes.deps import service
 from app.core.service import BlockService
 
 router = APIRouter(prefix="/v1/namespaces", tags=["namespaces"])

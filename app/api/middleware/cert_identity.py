@@ -1,7 +1,7 @@
 """Client certificates as identities: a verified peer certificate's subject or SAN -> the principals that name it.
 
 The gateway sees a peer certificate only after the TLS handshake verified it against ``tls_client_ca`` (see
-:mod:`app.api.tls`, which puts it into the request scope). A principal in the tokens file names a certificate by
+:mod:`app.api.server.tls`, which puts it into the request scope). A principal in the tokens file names a certificate by
 
 - ``cert_subject``: the subject as RFC 4514 writes it, most specific RDN first, short attribute names (``CN``,
   ``O``, ``OU``, ``C``, ``ST``, ``L``, ``DC``, ``UID``), e.g. ``CN=node-1,O=acme``: what
@@ -151,3 +151,10 @@ class CertPrincipals:
             return None, "the client certificate names several principals"
         log.info("client certificate %s names no principal", subject)
         return None, "the client certificate names no principal"
+
+
+def peer_cert(scope: Any) -> PeerCert | None:
+    """The verified client certificate of the request's connection, if it presented one (the server's TLS protocol
+    puts it into ``scope["extensions"]["tls"]["peercert"]``: :mod:`app.api.server.tls`)."""
+    tls = (scope.get("extensions") or {}).get("tls")
+    return tls.get("peercert") if isinstance(tls, dict) else None

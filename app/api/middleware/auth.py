@@ -6,45 +6,31 @@ there (deny by default). The namespaces a request touches come from the matched 
 (``path``: a block or config key, ``namespace``) and, for ``POST /v1/lookup``, from every key of the body. A token
 limited to namespaces may touch only those; a route that touches no particular namespace is refused to it.
 
-Tokens are kept as sha256 digests and compared with :func:`hmac.compare_digest` against every entry.
+Who the caller is comes from :mod:`app.api.middleware.principals` (bearer tokens) and
+:mod:`app.api.middleware.cert_identity` (client certificates).
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import ipaddress
 import json
 import logging
 import re
-import tomllib
-from collections.abc import Iterable
 from dataclasses import dataclass
-from enum import IntEnum
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
-from pydantic import TypeAdapter, ValidationError
 from starlette.convertors import Convertor
 from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.api.cert_identity import CertPrincipals
 from app.api.errors import response_for
-from app.api.limits import extend_openapi
-from app.api.tls import peer_cert
-from app.config import Settings, TokenSpec
+from app.api.middleware.cert_identity import CertPrincipals, peer_cert
+from app.api.middleware.principals import Principal, Role, TokenTable, load_tokens, principal_of
+from app.config import Settings
 from app.errors import Forbidden, PayloadTooLarge, Unauthorized
-from contract.keys import MAX_KEY_LEN, InvalidKey, parse_block_key, parse_config_key, parse_namespace
+from contract.keys import MAX_KEY_LEN, InvalidKey, parse_block_key, parse_config_key
 
 log = logging.getLogger("kvgate.auth")
-
-
-class Role(IntEnum):
-    read = 1
-    write = 2
-    admin = 3
 
 
 OPEN_PATHS = frozenset(
@@ -81,101 +67,6 @@ def required_role(method: str, template: str | None, *, metrics_public: bool) ->
     if template in OPEN_PATHS or (template == "/metrics" and metrics_public):
         return None
     return RULES.get((method.upper(), template), Role.admin)
-
-
-def hash_token(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
-
-
-@dataclass(frozen=True, slots=True)
-class Principal:
-    name: str
-    role: Role
-    namespaces: frozenset[str] | None
-    """None: every namespace."""
-
-
-def principal_of(spec: TokenSpec) -> Principal:
-    return Principal(
-        name=spec.name,
-        role=Role[spec.role],
-        namespaces=None if spec.namespaces is None else frozenset(spec.namespaces),
-    )
-
-
-class TokenTable:
-    """Presented token -> Principal, by sha256 digest, compared in constant time with every entry."""
-
-    def __init__(self, specs: Iterable[TokenSpec]) -> None:
-        self._entries = [(spec.sha256.lower().encode(), principal_of(spec)) for spec in specs if spec.sha256]
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def authenticate(self, token: str) -> Principal | None:
-        digest = hash_token(token).encode()
-        found: Principal | None = None
-        for stored, principal in self._entries:  # no early exit: the time does not depend on which one matched
-            if hmac.compare_digest(digest, stored):
-                found = principal
-        return found
-
-
-_TOKEN_LIST = TypeAdapter(list[TokenSpec])
-
-
-def read_tokens_file(path: Path) -> list[TokenSpec]:
-    """A JSON list (or ``{"tokens": [...]}``) or a TOML file of ``[[tokens]]`` tables."""
-    text = path.read_text()
-    raw: Any = tomllib.loads(text) if path.suffix.lower() == ".toml" else json.loads(text)
-    if isinstance(raw, dict):
-        raw = raw.get("tokens", [])
-    try:
-        return _TOKEN_LIST.validate_python(raw)
-    except ValidationError as exc:
-        raise ValueError(f"tokens file {path}: {exc}") from exc
-
-
-def load_tokens(settings: Settings) -> list[TokenSpec]:
-    specs = list(settings.tokens)
-    if settings.tokens_file is not None:
-        specs += read_tokens_file(settings.tokens_file)
-    names = [s.name for s in specs]
-    if len(set(names)) != len(names):
-        raise ValueError("token names must be unique")
-    for spec in specs:
-        try:
-            CertPrincipals([spec])
-        except ValueError as exc:
-            raise ValueError(f"token {spec.name!r}: {exc}") from exc
-        for ns in spec.namespaces or ():
-            try:
-                parse_namespace(ns)
-            except InvalidKey as exc:
-                raise ValueError(f"token {spec.name!r}: {exc}") from exc
-    return specs
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def check_bind(settings: Settings) -> None:
-    """Refuse to serve a non-loopback address without principals (raises ValueError with the reason).
-
-    The transport half of the rule (TLS) is :func:`app.api.tls.bind_warnings`.
-    """
-    if not is_loopback(settings.host) and not load_tokens(settings):
-        raise ValueError(
-            f"refusing to listen on {settings.host}: no tokens are configured, so anyone who can reach it could "
-            "read and delete every block. Set KVGATE_TOKENS or KVGATE_TOKENS_FILE (see `kvgate token new`; an "
-            "entry may name a client certificate instead), or bind 127.0.0.1."
-        )
 
 
 def namespace_of_key(key: str) -> str | None:
@@ -360,41 +251,6 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-# -- OpenAPI ------------------------------------------------------------------------------------------------------
-
-SCHEME = "bearer"
-_AUTH_ERRORS = {
-    "401": "no token, or not a valid one (WWW-Authenticate: Bearer)",
-    "403": "the token's role or namespaces do not allow this",
-}
-
-
-def secure_spec(spec: dict[str, Any], *, metrics_public: bool) -> dict[str, Any]:
-    """Add the HTTP bearer scheme, and apply it (with 401/403) to every operation that needs a token."""
-    components = spec.setdefault("components", {})
-    components.setdefault("securitySchemes", {})[SCHEME] = {
-        "type": "http",
-        "scheme": "bearer",
-        "description": "a token from KVGATE_TOKENS / KVGATE_TOKENS_FILE (roles: read < write < admin)",
-    }
-    err_ref = {"$ref": "#/components/schemas/ErrorResponse"} if "ErrorResponse" in components.get("schemas", {}) else {}
-    for path, ops in spec.get("paths", {}).items():
-        for method, op in ops.items():
-            if not isinstance(op, dict) or "responses" not in op:
-                continue
-            role = required_role(method, path, metrics_public=metrics_public)
-            if role is None:
-                continue
-            op["security"] = [{SCHEME: []}]
-            op["x-kvgate-role"] = role.name
-            for status, text in _AUTH_ERRORS.items():
-                entry: dict[str, Any] = {"description": text}
-                if err_ref:
-                    entry["content"] = {"application/json": {"schema": err_ref}}
-                op["responses"].setdefault(status, entry)
-    return spec
-
-
 def install(app: FastAPI, settings: Settings) -> None:
     """Enforce tokens when any are configured (else auth is off: ``kvgate serve`` allows that on loopback only)."""
     specs = load_tokens(settings)
@@ -402,4 +258,3 @@ def install(app: FastAPI, settings: Settings) -> None:
         app.add_middleware(AuthMiddleware, tokens=TokenTable(specs), certs=CertPrincipals(specs), settings=settings)
     else:
         log.warning("no tokens configured: authentication is off (loopback only)")
-    extend_openapi(app, lambda spec: secure_spec(spec, metrics_public=settings.metrics_public))

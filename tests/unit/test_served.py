@@ -1,0 +1,33 @@
+"""The server ``kvgate serve`` runs, built by ``create_server`` and run in this process: the same protocol pieces."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import httpx
+
+from tests.conftest import key_for, random_bytes, sha
+from tests.unit.inprocess import served, settings_for
+
+
+def test_the_served_stack_is_the_one_serve_runs(tmp_path: Path) -> None:
+    data = random_bytes(8192, 7)
+    with served(settings_for(tmp_path, max_header_bytes=4096)) as url, httpx.Client(base_url=url) as c:
+        put = c.put(f"/v1/blocks/{key_for(1)}", content=data, headers={"X-KVGate-SHA256": sha(data)})
+        assert put.status_code == 201, put.text
+        got = c.get(f"/v1/blocks/{key_for(1)}")
+        assert got.status_code == 200 and got.content == data
+        # the request head's bound is the server's protocol (app/api/server/head_limits.py), not a middleware
+        big = c.get("/healthz", headers={"X-Filler": "a" * 8192})
+        assert big.status_code == 431 and big.json()["error"]["code"] == "headers_too_large"
+        # and so is the JSON answer to a request uvicorn cannot parse
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: x\r\n\r\n")
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400 ") and json.loads(body)["error"]["code"] == "invalid_request"

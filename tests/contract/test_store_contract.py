@@ -1,4 +1,4 @@
-"""One BlockStore contract, run against every store: memory, filesystem and S3 (a real moto server)."""
+"""One BlockStore contract, run against every store: memory, filesystem and S3 (on a moto server and on SeaweedFS)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from app.storage.filesystem import TEMP_PREFIX, FilesystemStore
 from app.storage.memory import MemoryStore
 from app.storage.s3 import S3Store
 from tests.conftest import random_bytes, sha
-from tests.services import S3_CREDS, MotoServer, unique_bucket
+from tests.services import S3_CREDS, S3_SERVERS, S3TestServer, unique_bucket
 
 MiB = 1024 * 1024
 CHUNK = 64 * 1024
@@ -24,7 +24,7 @@ LARGE = 12 * MiB + 12345
 """Over the S3 store's 6 MiB multipart threshold here: three 5 MiB-plus parts; many chunks for every store."""
 
 
-@pytest.fixture(params=["memory", "fs", "s3"])
+@pytest.fixture(params=["memory", "fs", *(f"s3-{server}" for server in S3_SERVERS)])
 async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[BlockStore]:
     kind = request.param
     s: BlockStore
@@ -33,11 +33,11 @@ async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
     elif kind == "fs":
         s = FilesystemStore(root=tmp_path / "blocks", chunk_bytes=CHUNK)
     else:
-        moto: MotoServer = request.getfixturevalue("moto_server")
+        server: S3TestServer = request.getfixturevalue(f"{kind.removeprefix('s3-')}_server")
         cfg = S3Backend(
             bucket=unique_bucket(),
             prefix="kv",
-            endpoint_url=moto.url,
+            endpoint_url=server.url,
             multipart_threshold_bytes=6 * MiB,
             part_bytes=5 * MiB,
             **S3_CREDS,

@@ -1,4 +1,5 @@
-"""Scale-out: two gateway processes over one S3 bucket (a moto server) and one PostgreSQL index; S3 outages."""
+"""Scale-out: two gateway processes over one S3 bucket (on moto, and on SeaweedFS) and one PostgreSQL index; S3
+outages."""
 
 from __future__ import annotations
 
@@ -7,27 +8,25 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
-import aioboto3
 import httpx
 import pytest
 
 from contract.keys import namespace_for
 from tests.conftest import TEST_NS, key_for, random_bytes, sha
 from tests.gateway import Gateway
-from tests.services import S3_CREDS, MotoServer, PgServer, unique_bucket
+from tests.services import S3_SERVERS, PgServer, S3TestServer, own_s3_server, start_or_skip, unique_bucket
 
 MiB = 1024 * 1024
 
 
 @pytest.fixture(scope="module")
 def replicas(
-    tmp_path_factory: pytest.TempPathFactory, moto_server: MotoServer, pg_server: PgServer
+    tmp_path_factory: pytest.TempPathFactory, s3_server: S3TestServer, pg_server: PgServer
 ) -> Iterator[tuple[Gateway, Gateway]]:
     """Two gateways started together (both migrate the one fresh database at once) over one bucket and one index."""
     db_url = asyncio.run(pg_server.create_database())
-    env = {**moto_server.backend_env(bucket=unique_bucket(), prefix="kv"), "KVGATE_DB_URL": db_url}
+    env = {**s3_server.backend_env(bucket=unique_bucket(), prefix="kv"), "KVGATE_DB_URL": db_url}
     root = tmp_path_factory.mktemp("replicas")
     gateways = (Gateway(root / "a", env=env), Gateway(root / "b", env=env))
     try:
@@ -116,32 +115,22 @@ def test_namespace_config_shared(replicas: tuple[Gateway, Gateway]) -> None:
         assert got.status_code == 200 and got.json() == fields
 
 
-def _s3_client(moto: MotoServer) -> Any:
-    """An aioboto3 S3 client straight to the moto server (an async context manager)."""
-    return aioboto3.Session().client(
-        "s3",
-        endpoint_url=moto.url,
-        region_name=S3_CREDS["region"],
-        aws_access_key_id=S3_CREDS["access_key_id"],
-        aws_secret_access_key=S3_CREDS["secret_access_key"],
-    )
-
-
-async def _recreate_bucket(moto: MotoServer, bucket: str) -> None:
-    async with _s3_client(moto) as s3:
+async def _recreate_bucket(server: S3TestServer, bucket: str) -> None:
+    async with server.client() as s3:
         await s3.create_bucket(Bucket=bucket)
 
 
-def test_s3_outage_is_503_and_recovers(tmp_path: Path) -> None:
-    moto = MotoServer(log_dir=tmp_path).start()
+@pytest.mark.parametrize("kind", S3_SERVERS)
+def test_s3_outage_is_503_and_recovers(tmp_path: Path, kind: str) -> None:
+    store = start_or_skip(own_s3_server(kind, root=tmp_path))
     bucket = unique_bucket()
-    gw = Gateway(tmp_path / "data", env=moto.backend_env(bucket=bucket))
+    gw = Gateway(tmp_path / "data", env=store.backend_env(bucket=bucket))
     try:
         gw.start()
         data = random_bytes(100_000, 20)
         with httpx.Client(base_url=gw.url, timeout=60) as c:
             assert c.put(f"/v1/blocks/{key_for(20)}", content=data).status_code == 201
-            moto.kill()
+            store.kill()
 
             put = c.put(f"/v1/blocks/{key_for(21)}", content=data)
             assert put.status_code == 503, put.text
@@ -155,27 +144,31 @@ def test_s3_outage_is_503_and_recovers(tmp_path: Path) -> None:
             # the failed PUT left no index row behind
             assert c.post("/v1/lookup", json={"keys": [key_for(21)]}).json()["prefix"] == 0
 
-            moto.start()  # the same port; moto comes back empty, so the bucket is made again
-            asyncio.run(_recreate_bucket(moto, bucket))
+            store.start()  # the same port; moto comes back empty (the bucket is made again), SeaweedFS whole
+            if kind == "moto":
+                asyncio.run(_recreate_bucket(store, bucket))
             assert c.get("/readyz").status_code == 200
             fresh = random_bytes(3 * MiB, 22)
             assert c.put(f"/v1/blocks/{key_for(22)}", content=fresh).status_code == 201
             back = c.get(f"/v1/blocks/{key_for(22)}")
             assert back.status_code == 200 and back.content == fresh
-            # the block written before the outage is gone with moto's memory: the store says so, a plain miss
-            assert c.get(f"/v1/blocks/{key_for(20)}").status_code == 404
+            before = c.get(f"/v1/blocks/{key_for(20)}")
+            if kind == "moto":  # the block written before the outage is gone with moto's memory: a plain miss
+                assert before.status_code == 404
+            else:  # SeaweedFS kept it
+                assert before.status_code == 200 and before.content == data
     finally:
         gw.stop()
-        moto.stop()
+        store.stop()
 
 
 # -- same-key races across the two replicas ---------------------------------------------------------------------
 
 
-async def _s3_objects(moto: MotoServer, bucket: str, prefix: str) -> dict[str, bytes]:
+async def _s3_objects(server: S3TestServer, bucket: str, prefix: str) -> dict[str, bytes]:
     """Every object under ``prefix`` in the bucket, name (without the prefix) -> bytes."""
     found: dict[str, bytes] = {}
-    async with _s3_client(moto) as s3:
+    async with server.client() as s3:
         pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
         async for page in pages:
             for obj in page.get("Contents", ()):
@@ -202,11 +195,11 @@ async def _pg_rows(db_url: str) -> dict[str, tuple[int, str, str | None]]:
 
 @pytest.fixture
 def racing_replicas(
-    tmp_path: Path, moto_server: MotoServer, pg_server: PgServer
+    tmp_path: Path, s3_server: S3TestServer, pg_server: PgServer
 ) -> Iterator[tuple[Gateway, Gateway, str, str]]:
     db_url = asyncio.run(pg_server.create_database())
     bucket = unique_bucket()
-    env = {**moto_server.backend_env(bucket=bucket, prefix="kv"), "KVGATE_DB_URL": db_url}
+    env = {**s3_server.backend_env(bucket=bucket, prefix="kv"), "KVGATE_DB_URL": db_url}
     gateways = (Gateway(tmp_path / "a", env=env), Gateway(tmp_path / "b", env=env))
     try:
         for g in gateways:
@@ -219,7 +212,7 @@ def racing_replicas(
 
 
 def test_same_key_races_across_replicas(
-    racing_replicas: tuple[Gateway, Gateway, str, str], moto_server: MotoServer
+    racing_replicas: tuple[Gateway, Gateway, str, str], s3_server: S3TestServer
 ) -> None:
     """Writers and readers on both replicas, two keys: every answer one whole version; S3 and PostgreSQL agree."""
     from tests.e2e.races import Ledger, assert_http_agrees, while_reading
@@ -237,7 +230,7 @@ def test_same_key_races_across_replicas(
     named = {f"{k}.v{s}" for k, (_, _, s) in rows.items()}
     deadline = time.monotonic() + 30
     while True:  # replaced versions are deleted a few seconds after their row stopped naming them
-        objects = asyncio.run(_s3_objects(moto_server, bucket, "kv/"))
+        objects = asyncio.run(_s3_objects(s3_server, bucket, "kv/"))
         stale = {n for n in objects if ".bin" in n} - named
         if not stale or time.monotonic() > deadline:
             break

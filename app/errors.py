@@ -1,6 +1,13 @@
-"""The domain's error hierarchy. Storage, index and service raise these; app/api/errors.py maps them to HTTP."""
+"""The domain's error hierarchy. Storage, index and service raise these; app/api/errors.py maps them to HTTP.
+
+The grammars the gateway shares with the connector raise their own errors, one class per condition, mapped by the
+same table: ``contract.keys.InvalidKey`` (a key or namespace that is not FileMapper's), ``contract.wire``'s
+``MalformedHeader`` and ``RangeNotSatisfiable`` (re-exported here: the one class for a range that selects nothing).
+"""
 
 from __future__ import annotations
+
+from contract.wire import RangeNotSatisfiable as RangeNotSatisfiable
 
 
 class KVGateError(Exception):
@@ -49,12 +56,6 @@ class PreconditionFailed(KVGateError):
 
 class Conflict(KVGateError):
     """The request contradicts what is stored (e.g. a namespace's fields do not hash to its name)."""
-
-
-class RangeNotSatisfiable(KVGateError):
-    def __init__(self, message: str, *, size: int) -> None:
-        super().__init__(message)
-        self.size = size
 
 
 class LayoutMismatch(KVGateError):

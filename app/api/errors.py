@@ -1,4 +1,6 @@
-"""ONE table: domain error type -> (HTTP status, error code). Every error body is {"error": {code, message}}."""
+"""ONE table: error type -> (HTTP status, error code), for the domain's errors (app.errors) and the contract's
+(contract.keys, contract.wire) alike; nothing in app/api translates one error into another by hand. Every error body
+is {"error": {code, message}}."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from app import errors as e
-from contract.wire import unsatisfied_content_range
+from contract.keys import InvalidKey
+from contract.wire import MalformedHeader, WireError, unsatisfied_content_range
 
 log = logging.getLogger("kvgate.api")
 
@@ -21,6 +24,9 @@ RETRY_AFTER_S = "1"
 
 ERROR_TABLE: dict[type[Exception], tuple[int, str]] = {
     e.InvalidRequest: (400, "invalid_request"),
+    InvalidKey: (400, "invalid_request"),
+    MalformedHeader: (400, "invalid_request"),
+    WireError: (400, "invalid_request"),
     e.DigestMismatch: (400, "digest_mismatch"),
     e.SizeMismatch: (400, "size_mismatch"),
     e.Unauthorized: (401, "unauthorized"),
@@ -105,7 +111,8 @@ def install(app: FastAPI) -> None:
     async def on_disconnect(_: Request, exc: Exception) -> JSONResponse:
         return JSONResponse(error_body("client_disconnected", "client went away mid-request"), status_code=400)
 
-    app.add_exception_handler(e.KVGateError, on_domain)
+    for klass in ERROR_TABLE:  # each table entry answered from the table, wherever a route raises it
+        app.add_exception_handler(klass, on_domain)
     app.add_exception_handler(StarletteHTTPException, on_http)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(ClientDisconnect, on_disconnect)

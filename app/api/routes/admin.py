@@ -12,9 +12,9 @@ from app.api.errors import documented
 from app.api.routes.deps import service
 from app.core.eviction import Capacity
 from app.core.service import BlockService
-from app.errors import InvalidRequest, NamespaceNotFound
+from app.errors import NamespaceNotFound
 from app.index import NamespaceUsage
-from contract.keys import InvalidKey, parse_namespace
+from contract.keys import parse_namespace
 
 router = APIRouter(prefix="/v1", tags=["admin"])
 
@@ -85,13 +85,6 @@ def _empty(name: str) -> NamespaceUsage:
     return NamespaceUsage(namespace=name, blocks=0, bytes=0, hits=0, never_read=0, last_write=None, last_access=None)
 
 
-def _check(namespace: str) -> None:
-    try:
-        parse_namespace(namespace)
-    except InvalidKey as exc:
-        raise InvalidRequest(str(exc)) from exc
-
-
 @router.get(
     "/namespaces",
     response_model=NamespaceList,
@@ -113,7 +106,7 @@ async def list_namespaces(svc: Annotated[BlockService, Depends(service)]) -> Nam
     responses=documented(400, 404, 503),
 )
 async def get_namespace(namespace: str, svc: Annotated[BlockService, Depends(service)]) -> NamespaceSummary:
-    _check(namespace)
+    parse_namespace(namespace)  # InvalidKey: a 400 from the error table
     await svc.index.flush_access()
     rows = await svc.index.namespace_usage(namespace)
     has_config = await svc.index.get_namespace(namespace) is not None

@@ -15,8 +15,7 @@ from app.api.routes.thin import ThinRoute
 from app.config import Settings
 from app.core.events import META_HEADER, parse_meta_header, writer_meta
 from app.core.keystate import BlockMeta
-from app.core.parts import parse_content_range
-from app.core.reads import OpenBlock, read_range_verified, resolve_range
+from app.core.reads import OpenBlock, read_range_verified
 from app.core.service import BlockService, parse_key
 from app.errors import InvalidRequest, LengthRequired, PayloadTooLarge
 from contract import wire
@@ -73,32 +72,24 @@ class BlockResponse(Response):
             await self._block.reader.aclose()
 
 
-def _digest_header(value: str | None, name: str = DIGEST_HEADER) -> str | None:
-    try:
-        return wire.parse_digest(value, header=name)
-    except wire.MalformedHeader as exc:
-        raise InvalidRequest(str(exc)) from exc
-
-
 async def _put_part(
     key: BlockKey,
     request: Request,
     svc: BlockService,
     *,
-    content_range: str,
+    span: wire.ByteSpan,
     content_length: int,
     part_digest: str | None,
     create_only: bool,
 ) -> Response:
     """One rank's byte range of a multi-part object: 202 stored, 201 it completed the object, 200 nothing new."""
-    span = parse_content_range(content_range)
     if span.size != content_length:
         raise InvalidRequest(f"Content-Range covers {span.size} bytes, Content-Length says {content_length}")
     out = await svc.put_part(
         key,
         request.stream(),
         span=span,
-        part_digest=_digest_header(part_digest, PART_DIGEST_HEADER),
+        part_digest=wire.parse_digest(part_digest, header=PART_DIGEST_HEADER),
         create_only=create_only,
     )
     body = PartResponse(
@@ -164,13 +155,14 @@ async def put_block(
     if if_none_match is not None and if_none_match.strip() != "*":
         raise InvalidRequest("only 'If-None-Match: *' is supported")
     if content_range is not None:
-        if parse_content_range(content_range).total > cfg.max_block_bytes:
+        span = wire.parse_content_range(content_range)  # parsed once; MalformedHeader, RangeNotSatisfiable: the table
+        if span.total > cfg.max_block_bytes:
             raise PayloadTooLarge(f"object is over the {cfg.max_block_bytes}-byte limit")
         return await _put_part(
             key,
             request,
             svc,
-            content_range=content_range,
+            span=span,
             content_length=content_length,
             part_digest=x_kvgate_part_sha256,
             create_only=if_none_match is not None,
@@ -179,7 +171,7 @@ async def put_block(
         key,
         request.stream(),
         size=content_length,
-        digest=_digest_header(x_kvgate_sha256),
+        digest=wire.parse_digest(x_kvgate_sha256, header=DIGEST_HEADER),
         create_only=if_none_match is not None,
     )
     body = PutResponse(key=result.meta.key, size=result.meta.size, digest=result.meta.digest, created=result.created)
@@ -210,7 +202,7 @@ async def get_block(
     key = parse_key(path)
     block = await svc.open(key)
     try:
-        span = resolve_range(range_, block.meta.size)
+        span = None if range_ is None else wire.parse_range(range_, size=block.meta.size)
     except BaseException:
         await block.reader.aclose()
         raise

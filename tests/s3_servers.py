@@ -130,6 +130,10 @@ class SeaweedServer(S3TestServer):
             "s3.port.iceberg": "0",
             "s3.port.lance": "0",
             "volume.preStopSeconds": "0",
+            # each bucket (every test has its own) takes a volume of its own; left alone, mini sizes volumes by the
+            # free disk and allows ~70-80 of them (72 here: the 71st bucket's first PUT was a 500); volumes are sparse
+            "master.volumeSizeLimitMB": "64",
+            "volume.max": "2000",
         }
         return [str(self.weed), "mini", *(f"-{k}={v}" for k, v in flags.items())]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import string
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -9,6 +10,20 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MiB = 1024 * 1024
+TOPIC_FIELDS = frozenset({"name", "model", "namespace"})
+"""What the events' topic template may name."""
+
+
+def check_topic(template: str) -> frozenset[str]:
+    """The fields a topic template uses; ValueError unless they are ``{name}``, ``{model}``, ``{namespace}``."""
+    used: set[str] = set()
+    for _text, name, spec, conversion in string.Formatter().parse(template):  # ValueError if malformed
+        if name is None:
+            continue
+        if name not in TOPIC_FIELDS or spec or conversion:
+            raise ValueError(f"topic field {{{name}}} is not one of {{name}}, {{model}}, {{namespace}}")
+        used.add(name)
+    return frozenset(used)
 
 
 class FsBackend(BaseModel):
@@ -188,8 +203,26 @@ class Settings(BaseSettings):
     events_replay_endpoint: str | None = Field(
         default="tcp://127.0.0.1:5558", description="ZMQ ROUTER address for replays of missed batches; empty: none"
     )
-    events_medium: str = Field(default="kvgate", description="the events' `medium` field")
-    events_topic: str = Field(default="", description="ZMQ topic of the batches")
+    events_medium: str = Field(
+        default="STORAGE", description="the events' `medium`: STORAGE is what vLLM's storage tiers publish"
+    )
+    events_locality: Literal["LOCAL", "REMOTE", ""] = Field(
+        default="REMOTE", description="the events' `locality` (a tier shared over the network is REMOTE); empty: none"
+    )
+    events_ownership: str = Field(
+        default="kvgate", description="the events' `ownership` (the tier that published them); empty: none"
+    )
+    events_topic: str = Field(
+        default="kv@pool:{name}@{model}",
+        description="ZMQ topic of the batches, a template: {name} (events_pool_name), {model} (the run's model name, "
+        "from its namespace config), {namespace}",
+    )
+    events_pool_name: str = Field(default="kvgate", description="{name} in the events' topic")
+    events_encoding: Literal["map", "array"] = Field(
+        default="map",
+        description="`map`: each event a tagged map, as vLLM 0.33 writes them; `array`: tagged arrays, as vLLM "
+        "before #42892 (for decoders that expect those)",
+    )
     events_int_hashes: bool = Field(
         default=True, description="block hashes as vLLM's default: low 64 bits as an int (False: the hash's bytes)"
     )
@@ -205,6 +238,12 @@ class Settings(BaseSettings):
         """``KVGATE_BACKEND__FSYNC=false`` alone means the default backend: the kind need not be spelled out."""
         if isinstance(value, dict) and "kind" not in value:
             return {"kind": "fs", **value}
+        return value
+
+    @field_validator("events_topic")
+    @classmethod
+    def _events_topic_fields(cls, value: str) -> str:
+        check_topic(value)
         return value
 
     @field_validator("log_level", mode="before")

@@ -89,7 +89,7 @@ async def _serving(app: FastAPI, *, cfg: Settings, backends: Backends) -> AsyncI
         index=backends.index,
         cache=MetaCache(entries=cfg.meta_cache_entries, ttl_s=cfg.meta_cache_ttl_s),
     )
-    bus, publisher = await _start_events(cfg)
+    bus, publisher = await _start_events(cfg, backends)
     if bus is not None:
         svc.events = bus
     app.state.events = bus
@@ -121,24 +121,42 @@ async def _serving(app: FastAPI, *, cfg: Settings, backends: Backends) -> AsyncI
             await publisher.close()
 
 
-async def _start_events(cfg: Settings) -> tuple[EventBus | None, ZmqPublisher | None]:
+async def _start_events(cfg: Settings, backends: Backends) -> tuple[EventBus | None, ZmqPublisher | None]:
     """The event bus and its ZMQ publisher, when events are on (before reconcile: what it changes is published)."""
     if not cfg.events_enabled:
         return None, None
     bus = EventBus(buffer=cfg.events_buffer)
     publisher = None
     if cfg.events_endpoint:
+        from app.core.events_wire import EventCodec, ModelNames, Topics, WireFormat
         from app.core.events_zmq import ZmqPublisher
 
+        index = backends.index
+
+        async def model_name(namespace: str) -> str | None:
+            record = await index.get_namespace(namespace)
+            name = record.fields.get("model_name") if record is not None else None
+            return name if isinstance(name, str) else None
+
+        codec = EventCodec(
+            WireFormat(
+                medium=cfg.events_medium or None,
+                locality=cfg.events_locality or None,
+                ownership=cfg.events_ownership or None,
+                int_hashes=cfg.events_int_hashes,
+                encoding=cfg.events_encoding,
+            )
+        )
         publisher = ZmqPublisher(
             endpoint=cfg.events_endpoint,
             replay_endpoint=cfg.events_replay_endpoint or None,
-            topic=cfg.events_topic,
-            medium=cfg.events_medium,
-            int_hashes=cfg.events_int_hashes,
+            codec=codec,
             buffer=cfg.events_buffer,
         )
         publisher.start()
+        bus.codec = codec
+        bus.topics = Topics(cfg.events_topic, name=cfg.events_pool_name)
+        bus.models = ModelNames(model_name)
         bus.sinks.append(publisher)
         log.info("kv events: pub=%s replay=%s", publisher.endpoint, publisher.replay_endpoint)
     _end_streams_on_exit(bus)

@@ -1,5 +1,5 @@
 """kvgate's wire format, owned here once for the gateway and the connector alike: the ``Range`` and
-``Content-Range`` values, ETag quoting and the sha256 digest headers.
+``Content-Range`` values, ETag quoting, the sha256 digest headers and the block meta a writer sends for the KV events.
 
 Pure functions over strings, no HTTP library, standard library only: ``app`` and ``connector`` both import it.
 Byte ranges are half-open ``[start, end)`` in Python and inclusive on the wire.
@@ -12,9 +12,11 @@ from __future__ import annotations
 import email.utils
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = [
+    "BLOCK_META_HEADER",
     "DIGEST_HEADER",
     "PART_DIGEST_HEADER",
     "RANGE_DIGEST_HEADER",
@@ -22,6 +24,7 @@ __all__ = [
     "MalformedHeader",
     "RangeNotSatisfiable",
     "WireError",
+    "format_block_meta",
     "format_content_range",
     "format_range",
     "parse_content_range",
@@ -39,6 +42,10 @@ PART_DIGEST_HEADER = "X-KVGate-Part-SHA256"
 """Hex sha256 of one part's bytes (a PUT with ``Content-Range``)."""
 RANGE_DIGEST_HEADER = "X-KVGate-Range-SHA256"
 """On a 206: hex sha256 of the range's bytes, sent after the gateway checked the whole object against its digest."""
+BLOCK_META_HEADER = "X-KVGate-Block-Meta"
+"""``parent=<hex>; tokens=1,2,3`` on a PUT: the block's token ids and its parent's hash, for the KV events."""
+MAX_BLOCK_META_BYTES = 8192
+MAX_BLOCK_META_TOKENS = 1024
 
 _RANGE = re.compile(r"bytes=([0-9]{0,18})-([0-9]{0,18})", re.ASCII | re.IGNORECASE)
 """One ``bytes=a-b`` range, ASCII digits only (``str.isdigit`` also accepts '²' and other digits ``int`` rejects)."""
@@ -184,3 +191,21 @@ def retry_after_s(value: str | None, *, now: float | None = None) -> float | Non
     if when.tzinfo is None:
         return None
     return max(0.0, when.timestamp() - (time.time() if now is None else now))
+
+
+# -- X-KVGate-Block-Meta (a PUT's request header: what the KV events say of the block) -------------------------------
+
+
+def format_block_meta(*, parent: str | bytes | None, tokens: Sequence[int]) -> str | None:
+    """The header's value for a block continuing ``parent`` (its hash) with ``tokens``; None when there is nothing
+    to say or it is over the limits the gateway accepts (the block is then stored without it: its event carries no
+    token ids)."""
+    if len(tokens) > MAX_BLOCK_META_TOKENS:
+        return None
+    parts = []
+    if parent is not None:
+        parts.append(f"parent={parent.hex() if isinstance(parent, bytes) else parent}")
+    if tokens:
+        parts.append("tokens=" + ",".join(map(str, tokens)))
+    value = "; ".join(parts)
+    return value if value and len(value) <= MAX_BLOCK_META_BYTES else None

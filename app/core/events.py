@@ -1,10 +1,12 @@
-"""KV events of the shared tier: every committed store or removal of a block, in commit order, numbered.
+"""KV events of the shared tier: every committed store or removal of a block, in an order a router can replay, numbered.
 
-BlockService calls :meth:`EventBus.stored` / :meth:`EventBus.removed` right after a change of a key has committed
-(never for one that did not), on the event loop, under the key's lock; so the calls come in commit order. Events
-made in one turn of the loop go out as one batch (a namespace purge is mostly one), with the next sequence number.
-Each batch goes to the ZMQ publisher (app/core/events_zmq.py: vLLM's own wire format) and to the subscribers of
-``GET /v1/events`` (JSON), and stays in a bounded ring for replays.
+BlockService calls the :class:`EventSink` hooks right after a change of a key has committed (never for one that did
+not), on the event loop, under the key's lock; so the calls come in commit order. Each event is encoded on its own
+as it is made (app/core/events_wire.py), before it gets a number: one that cannot be encoded is dropped alone and
+counted. A child block's store waits while a PUT of its parent is in progress (app/core/events_order.py), so a
+router sees the parent's first. Events made in one turn of the loop go out as one batch per topic (a namespace purge
+is mostly one), each with the next sequence number: to the ZMQ publisher (app/core/events_zmq.py: vLLM's wire
+format), to the subscribers of ``GET /v1/events`` (JSON), and into a bounded ring for replays.
 
 Sequence numbers after a restart: the first batch of a gateway process is numbered with the wall clock in
 microseconds, so numbers go on increasing across restarts (as long as the gateway sends fewer than a million
@@ -22,21 +24,26 @@ import logging
 import re
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from app.core.events_order import ParentFirst, parents_first
+from app.core.events_wire import EventCodec, EventEncodeError, ModelNames, Topics
 from app.errors import InvalidRequest
 from app.index import BlockRecord
-from contract.keys import InvalidKey, parse_block_key
+from contract.keys import InvalidKey, block_path, parse_block_key
+from contract.wire import BLOCK_META_HEADER as META_HEADER
+from contract.wire import MAX_BLOCK_META_BYTES as MAX_META_HEADER_BYTES
+from contract.wire import MAX_BLOCK_META_TOKENS as MAX_META_TOKENS
 
 log = logging.getLogger("kvgate.events")
 
-META_HEADER = "X-KVGate-Block-Meta"
-MAX_META_HEADER_BYTES = 8192
-MAX_META_TOKENS = 1024
-_META_RE = re.compile(r"[0-9a-fA-F]{16,64}")
+__all__ = ["MAX_META_HEADER_BYTES", "MAX_META_TOKENS", "META_HEADER", "EventBus", "EventSink", "parse_meta_header"]
+
+_PARENT_RE = re.compile(r"(?:[0-9a-fA-F]{2}){8,32}")
+"""A block hash: whole bytes of hex, 8 to 32 of them (an odd length is no hash, and no vLLM event could carry it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +72,8 @@ def parse_meta_header(value: str) -> WriterMeta:
                 raise InvalidRequest(f"{META_HEADER}: expected name=value, got {name[:40]!r}")
             continue
         if name == "parent" and text:
-            if not _META_RE.fullmatch(text):
-                raise InvalidRequest(f"{META_HEADER}: parent must be a block hash (16-64 hex characters)")
+            if not _PARENT_RE.fullmatch(text):
+                raise InvalidRequest(f"{META_HEADER}: parent must be a block hash (16-64 hex characters, whole bytes)")
             parent = text.lower()
         elif name == "tokens" and text:
             items = text.split(",")
@@ -92,6 +99,15 @@ class Event:
     size: int
     digest: str | None = None
     meta: WriterMeta | None = None
+    wire: bytes = b""
+    """The event in vLLM's format, encoded when it was made; empty when nothing publishes that format."""
+
+    @property
+    def parent_key(self) -> str | None:
+        """The key of the block this stored block continues (same namespace, rank and group), if its writer said."""
+        if self.kind != "stored" or self.meta is None or self.meta.parent is None:
+            return None
+        return block_path(namespace=self.namespace, rank=self.rank, block_hash=self.meta.parent, group=self.group)
 
     def as_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -116,13 +132,18 @@ class Batch:
     seq: int
     ts: float
     events: tuple[Event, ...]
+    topic: str = ""
+    """The ZMQ topic of its events (they share one); empty without ZMQ."""
 
     def as_json(self, namespace: str | None = None) -> dict[str, Any] | None:
         """The batch for people (SSE); with ``namespace``, only its events (None: none left)."""
         events = [e.as_json() for e in self.events if namespace is None or e.namespace == namespace]
         if not events:
             return None
-        return {"seq": self.seq, "ts": self.ts, "events": events}
+        out: dict[str, Any] = {"seq": self.seq, "ts": self.ts, "events": events}
+        if self.topic:
+            out["topic"] = self.topic
+        return out
 
 
 class BatchSink(Protocol):
@@ -131,7 +152,7 @@ class BatchSink(Protocol):
 
 
 class EventSink(Protocol):
-    """What BlockService calls after each committed change."""
+    """What BlockService (and the PUT route) call: after each committed change, and around each PUT."""
 
     def stored(self, record: BlockRecord) -> None: ...
 
@@ -140,6 +161,14 @@ class EventSink(Protocol):
     def stored_many(self, records: Iterable[BlockRecord]) -> None: ...
 
     def removed_keys(self, keys: Iterable[str]) -> None: ...
+
+    def writing(self, key: str) -> contextlib.AbstractContextManager[None]:
+        """Around a PUT of ``key`` (whole or a part): its children's events wait until it ends."""
+        ...
+
+    def namespace_config(self, namespace: str, fields: Mapping[str, Any]) -> None:
+        """A namespace's config was stored (its model name goes into the events' topic)."""
+        ...
 
 
 class NoEvents:
@@ -157,22 +186,14 @@ class NoEvents:
     def removed_keys(self, keys: Iterable[str]) -> None:
         return
 
+    def writing(self, key: str) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def namespace_config(self, namespace: str, fields: Mapping[str, Any]) -> None:
+        return
+
 
 NO_EVENTS = NoEvents()
-
-
-def _event(kind: Literal["stored", "removed"], record: BlockRecord, meta: WriterMeta | None) -> Event:
-    return Event(
-        kind=kind,
-        key=record.key,
-        namespace=record.namespace,
-        block_hash=record.key.rsplit("/", 1)[-1].removesuffix(".bin"),
-        group=record.group,
-        rank=record.rank,
-        size=record.size,
-        digest=record.digest,
-        meta=meta,
-    )
 
 
 @dataclass(eq=False)
@@ -191,12 +212,23 @@ class EventBus:
     """Batches a slow SSE subscriber may lag behind before its stream is ended (it reconnects with ``since``)."""
     first_seq: int = field(default_factory=lambda: time.time_ns() // 1000)
     sinks: list[BatchSink] = field(default_factory=list)
+    codec: EventCodec | None = None
+    """Encodes each event as it is made (set with a ZMQ publisher, which sends those bytes)."""
+    topics: Topics | None = None
+    """The ZMQ topic of a namespace's events (a batch holds one topic's)."""
+    models: ModelNames | None = None
+    """Namespace -> model name, for ``{model}`` in the topic."""
     published: int = 0
     """Events published (all batches)."""
+    dropped: int = 0
+    """Events the codec refused (each dropped alone)."""
     _next_seq: int = field(init=False)
     _pending: list[Event] = field(init=False, default_factory=list)
+    _order: ParentFirst[Event] = field(init=False, default_factory=ParentFirst)
     _ring: deque[Batch] = field(init=False)
     _subscribers: set[_Subscriber] = field(init=False, default_factory=set)
+    _scheduled: bool = field(init=False, default=False)
+    _resolving: asyncio.Task[None] | None = field(init=False, default=None)
     _closed: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
@@ -206,27 +238,80 @@ class EventBus:
     # -- the hooks BlockService calls (after a commit, on the loop) -------------------------------------------
 
     def stored(self, record: BlockRecord) -> None:
-        self._add(_event("stored", record, writer_meta.get()))
+        self._add(self._event("stored", record, writer_meta.get()))
 
     def removed(self, record: BlockRecord) -> None:
-        self._add(_event("removed", record, None))
+        self._add(self._event("removed", record, None))
 
     def stored_many(self, records: Iterable[BlockRecord]) -> None:
         for record in records:
-            self._add(_event("stored", record, None))
+            self._add(self._event("stored", record, None))
 
     def removed_keys(self, keys: Iterable[str]) -> None:
         for key in keys:
             with contextlib.suppress(InvalidKey):
                 k = parse_block_key(key)
-                self._add(Event("removed", key, k.namespace, k.block_hash, k.group, k.rank, 0))
+                self._add(self._made("removed", key, k.namespace, k.block_hash, k.group, k.rank, 0, None, None))
 
-    def _add(self, event: Event) -> None:
-        if self._closed:
+    @contextlib.contextmanager
+    def writing(self, key: str) -> Iterator[None]:
+        self._order.begin(key)
+        try:
+            yield
+        finally:
+            self._enqueue(self._order.end(key))
+
+    def namespace_config(self, namespace: str, fields: Mapping[str, Any]) -> None:
+        model = fields.get("model_name")
+        if self.models is not None and isinstance(model, str):
+            self.models.learn(namespace, model)
+
+    def _event(self, kind: Literal["stored", "removed"], record: BlockRecord, meta: WriterMeta | None) -> Event | None:
+        block_hash = record.key.rsplit("/", 1)[-1].removesuffix(".bin")
+        return self._made(
+            kind, record.key, record.namespace, block_hash, record.group, record.rank, record.size, record.digest, meta
+        )
+
+    def _made(
+        self,
+        kind: Literal["stored", "removed"],
+        key: str,
+        namespace: str,
+        block_hash: str,
+        group: int,
+        rank: int,
+        size: int,
+        digest: str | None,
+        meta: WriterMeta | None,
+    ) -> Event | None:
+        """The event, encoded; None (dropped alone, counted) if the codec cannot write it."""
+        wire = b""
+        if self.codec is not None:
+            try:
+                wire = self.codec.encode(
+                    kind=kind,
+                    block_hash=block_hash,
+                    group=group,
+                    token_ids=meta.token_ids if meta is not None else (),
+                    parent=meta.parent if meta is not None else None,
+                )
+            except EventEncodeError as exc:
+                self.dropped += 1
+                log.error("event dropped key=%s: %s", key, exc)
+                return None
+        return Event(kind, key, namespace, block_hash, group, rank, size, digest, meta, wire)
+
+    def _add(self, event: Event | None) -> None:
+        if event is not None and not self._closed:
+            self._enqueue(self._order.add(event))
+
+    def _enqueue(self, events: list[Event]) -> None:
+        if not events or self._closed:
             return
-        if not self._pending:
-            asyncio.get_running_loop().call_soon(self.flush)
-        self._pending.append(event)
+        self._pending.extend(events)
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._turn)
 
     # -- batches ----------------------------------------------------------------------------------------------
 
@@ -234,12 +319,58 @@ class EventBus:
     def next_seq(self) -> int:
         return self._next_seq
 
+    @property
+    def held(self) -> int:
+        """Events waiting for a PUT of their parent to end."""
+        return self._order.held
+
+    def _turn(self) -> None:
+        """Once per loop turn that made events: flush them, once the model names of their topics are known."""
+        self._scheduled = False
+        if self._resolving is not None:
+            return  # it flushes when done
+        missing = self._unnamed()
+        if missing:
+            self._resolving = asyncio.get_running_loop().create_task(self._resolve(missing), name="kvgate-events-names")
+            return
+        self.flush()
+
+    def _unnamed(self) -> set[str]:
+        if self.models is None or self.topics is None or not self.topics.needs_model:
+            return set()
+        return {e.namespace for e in self._pending if not self.models.known(e.namespace)}
+
+    async def _resolve(self, namespaces: set[str]) -> None:
+        try:
+            if self.models is not None:
+                await self.models.load(namespaces)
+        finally:
+            self._resolving = None
+            self._turn()
+
     def flush(self) -> None:
-        """Send what is pending as one batch (called once per loop turn that made events)."""
+        """Send what is pending: one batch per topic, each child after its parent in it."""
         if not self._pending:
             return
-        batch = Batch(seq=self._next_seq, ts=time.time(), events=tuple(self._pending))
-        self._pending = []
+        events, self._pending = self._pending, []
+        ts = time.time()
+        for topic, group in self._by_topic(events):
+            self._send(Batch(seq=self._next_seq, ts=ts, events=tuple(parents_first(group)), topic=topic))
+
+    def _by_topic(self, events: list[Event]) -> list[tuple[str, list[Event]]]:
+        topics = self.topics
+        if topics is None:
+            return [("", events)]
+        if not topics.per_namespace:
+            return [(topics.render(namespace="", model=""), events)]
+        models = self.models
+        out: dict[str, list[Event]] = {}
+        for e in events:
+            topic = topics.render(namespace=e.namespace, model=models.get(e.namespace) if models else None)
+            out.setdefault(topic, []).append(e)
+        return list(out.items())
+
+    def _send(self, batch: Batch) -> None:
         self._next_seq += 1
         self.published += len(batch.events)
         self._ring.append(batch)
@@ -288,6 +419,10 @@ class EventBus:
             self._subscribers.discard(sub)
 
     async def close(self) -> None:
+        if self._resolving is not None:
+            with contextlib.suppress(Exception):
+                await self._resolving
+        self._pending.extend(self._order.drain())
         self.flush()
         self._closed = True
         self.end_streams()

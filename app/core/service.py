@@ -362,7 +362,9 @@ class BlockService(Removal):
 
         await self.store.put(config_path(namespace), body(), size=len(raw))
         self._layouts.pop(namespace, None)
-        return await self.index.put_namespace(name=namespace, fields=fields)
+        created = await self.index.put_namespace(name=namespace, fields=fields)
+        self.events.namespace_config(namespace, fields)  # the model name in the events' topic
+        return created
 
     async def get_config(self, namespace: str) -> dict[str, Any]:
         try:

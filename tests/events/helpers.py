@@ -9,7 +9,12 @@ from typing import Any
 
 import httpx
 
+from contract.keys import namespace_for
+from tests.conftest import agnostic_fields, key_for
 from tests.gateway import Gateway, free_port
+
+JOIN_NS = namespace_for(agnostic_fields("kvgate-test/join"))
+"""Where :func:`joined` PUTs its blocks (out of the way of a test's own namespace)."""
 
 
 def events_gateway(data_dir: Path, *, env: Mapping[str, str] | None = None) -> Gateway:
@@ -69,3 +74,74 @@ def read_batches(url: str, *, since: int, events: int, namespace: str | None = N
                 if sum(len(b["events"]) for b in out) >= events:
                     return out
     raise AssertionError(f"stream ended after {out}")
+
+
+class ZmqTap:
+    """A ZMQ subscriber on a thread: every batch of the gateway's PUB socket as (topic, seq, decoded payload)."""
+
+    def __init__(self, endpoint: str) -> None:
+        import threading
+
+        import zmq
+
+        self.batches: list[tuple[str, int, Any]] = []
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.connect(endpoint)
+        self._sock.setsockopt_string(zmq.SUBSCRIBE, "")
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import msgspec
+
+        while not self._stop.is_set():
+            if self._sock.poll(50):
+                topic, seq, payload = self._sock.recv_multipart()
+                with self._lock:
+                    self.batches.append((topic.decode(), int.from_bytes(seq, "big"), msgspec.msgpack.decode(payload)))
+
+    def events(self) -> list[tuple[int, dict[str, Any]]]:
+        """(seq, event as a map) of every event received, in order."""
+        with self._lock:
+            return [(seq, e) for _t, seq, batch in self.batches for e in batch[1]]
+
+    def wait(self, done: Any, *, timeout_s: float = 30.0) -> None:
+        """Until ``done(self)`` is true (the changes were acknowledged before: their events are on their way)."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while not done(self):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the subscriber has {len(self.batches)} batches: {self.batches[-5:]}")
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+
+def h64(key: str) -> int:
+    """The block hash of a key as the events carry it by default: the low 64 bits, as an int."""
+    return int(key.rsplit("/", 1)[1].removesuffix(".bin")[-16:], 16)
+
+
+def joined(url: str, tap: ZmqTap) -> int:
+    """PUT blocks until the subscriber sees one (a SUB socket misses what is sent before it has joined); the next
+    sequence number."""
+    with httpx.Client(base_url=url, timeout=30) as http:
+        for i in range(200):
+            key = key_for(10_000 + i, namespace=JOIN_NS)
+            assert http.put(f"/v1/blocks/{key}", content=b"w" * 64).status_code == 201
+            try:
+                tap.wait(lambda t: bool(t.batches), timeout_s=0.1)
+                break
+            except AssertionError:
+                continue
+    tap.wait(lambda t: t.batches[-1][1] == hello(url)["next_seq"] - 1)
+    return hello(url)["next_seq"]

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from app.core.events import MAX_META_TOKENS, WriterMeta, parse_meta_header
-from app.core.events_zmq import wire_hash
+from app.core.events_wire import wire_hash
 from app.errors import InvalidRequest
+from contract.wire import format_block_meta
 
 PARENT = "ab" * 32
 
@@ -24,6 +25,8 @@ def test_parse() -> None:
         "tokens=1,,2",
         "parent=xyz",
         "parent=" + "a" * 65,
+        "parent=" + "a" * 17,  # odd: no whole bytes (passed the grammar, then failed the ZMQ encoder: issue 26)
+        "parent=" + "a" * 14,
         "colour=red",
         "tokens",
         "tokens=" + ",".join(["1"] * (MAX_META_TOKENS + 1)),
@@ -40,3 +43,16 @@ def test_wire_hash_is_vllms_default_form() -> None:
     h = bytes(range(32))
     assert wire_hash(h.hex(), as_int=True) == int.from_bytes(h, "big") & ((1 << 64) - 1)
     assert wire_hash(h.hex(), as_int=False) == h
+
+
+def test_format_round_trips_and_stays_within_the_limits() -> None:
+    meta = format_block_meta(parent=bytes.fromhex(PARENT), tokens=[0, 7, 151643])
+    assert meta == f"parent={PARENT}; tokens=0,7,151643"
+    assert parse_meta_header(meta) == WriterMeta((0, 7, 151643), PARENT)
+    assert parse_meta_header(format_block_meta(parent=None, tokens=[5]) or "") == WriterMeta((5,), None)
+    assert format_block_meta(parent=None, tokens=[]) is None  # nothing to say: no header
+    assert format_block_meta(parent=PARENT, tokens=[1] * (MAX_META_TOKENS + 1)) is None  # the gateway would refuse it
+    longest = format_block_meta(parent=PARENT, tokens=[10**11 - 1] * MAX_META_TOKENS)
+    assert longest is None  # over 8 KiB
+    fits = format_block_meta(parent=PARENT, tokens=[99999] * MAX_META_TOKENS)
+    assert fits is not None and parse_meta_header(fits).token_ids == (99999,) * MAX_META_TOKENS

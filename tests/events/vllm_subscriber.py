@@ -2,7 +2,8 @@
 
 As vLLM's examples/online_serving/kv_events_subscriber.py does: a SUB socket for the live stream and a DEALER socket
 on the replay endpoint; on a gap (or when the live stream stays silent) ask for a replay from the first number
-missing. Prints ``ready`` once connected, then one JSON document: the events decoded, in sequence order.
+missing. Prints ``ready`` once connected, then one JSON document: the events decoded, in sequence order, the topic
+of each batch, and whether each payload is byte for byte what vLLM's own encoder makes of the batch it decodes to.
 
 argv: PUB_ENDPOINT REPLAY_ENDPOINT FIRST_SEQ N_EVENTS
 """
@@ -29,6 +30,8 @@ def as_json(event: object) -> dict[str, object]:
             "medium": event.medium,
             "group_idx": event.group_idx,
             "lora_name": event.lora_name,
+            "locality": event.locality,
+            "ownership": event.ownership,
         }
     if isinstance(event, BlockRemoved):
         return {
@@ -36,6 +39,8 @@ def as_json(event: object) -> dict[str, object]:
             "block_hashes": event.block_hashes,
             "medium": event.medium,
             "group_idx": event.group_idx,
+            "locality": event.locality,
+            "ownership": event.ownership,
         }
     return {"type": type(event).__name__}
 
@@ -51,8 +56,20 @@ def main() -> None:
     replay.connect(replay_endpoint)
     print("ready", flush=True)
 
+    encoder = msgspec.msgpack.Encoder()
     batches: dict[int, KVEventBatch] = {}
+    topics: dict[int, str] = {}
+    exact: dict[int, bool] = {}
     replayed: list[int] = []
+
+    def take(topic: bytes, seq: int, payload: bytes) -> bool:
+        if seq in batches:
+            return False
+        batches[seq] = decoder.decode(payload)
+        topics[seq] = topic.decode()
+        exact[seq] = encoder.encode(batches[seq]) == payload
+        return True
+
     next_seq = first
 
     def have() -> int:
@@ -61,29 +78,35 @@ def main() -> None:
     def ask_replay(start: int) -> None:
         replay.send_multipart((b"", start.to_bytes(8, "big")))
         while True:
-            _empty, _topic, seq_bytes, payload = replay.recv_multipart()
+            _empty, topic, seq_bytes, payload = replay.recv_multipart()
             if seq_bytes == (-1).to_bytes(8, "big", signed=True):
                 return
             seq = int.from_bytes(seq_bytes, "big")
-            if seq not in batches:
-                batches[seq] = decoder.decode(payload)
+            if take(topic, seq, payload):
                 replayed.append(seq)
 
     deadline = time.monotonic() + 120
     while have() < wanted and time.monotonic() < deadline:
         if sub.poll(1000):
-            _topic, seq_bytes, payload = sub.recv_multipart()
+            topic, seq_bytes, payload = sub.recv_multipart()
             seq = int.from_bytes(seq_bytes, "big")
             if seq > next_seq and next_seq not in batches:
                 ask_replay(next_seq)  # a gap: what was missed, from the replay socket
-            batches.setdefault(seq, decoder.decode(payload))
+            take(topic, seq, payload)
         else:
             ask_replay(next_seq)  # silence: the live stream may have begun before we joined
         while next_seq in batches:
             next_seq += 1
     seqs = sorted(batches)
     events = [as_json(e) for s in seqs for e in batches[s].events]
-    print(json.dumps({"seqs": seqs, "replayed": replayed, "events": events}), flush=True)
+    doc = {
+        "seqs": seqs,
+        "replayed": replayed,
+        "events": events,
+        "topics": [topics[s] for s in seqs],
+        "exact": [exact[s] for s in seqs],
+    }
+    print(json.dumps(doc), flush=True)
 
 
 if __name__ == "__main__":

@@ -48,8 +48,9 @@ async def events(
         since = int(last_event_id) + 1
 
     async def stream() -> AsyncIterator[bytes]:
-        yield _message("hello", {"first_seq": bus.first_seq, "next_seq": bus.next_seq})
-        async for item in bus.subscribe(since=since):
+        start = bus.next_seq  # without since: from the hello on (a batch sent while it goes out is replayed)
+        yield _message("hello", {"first_seq": bus.first_seq, "next_seq": start})
+        async for item in bus.subscribe(since=start if since is None else since):
             if isinstance(item, str):
                 if item == "heartbeat":
                     yield b": heartbeat\n\n"

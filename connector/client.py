@@ -41,7 +41,7 @@ from connector.errors import GatewayRejected as GatewayRejected
 from connector.errors import GatewayTLSError as GatewayTLSError
 from connector.errors import GatewayUnavailable as GatewayUnavailable
 from contract import wire
-from contract.wire import DIGEST_HEADER, PART_DIGEST_HEADER, RANGE_DIGEST_HEADER
+from contract.wire import BLOCK_META_HEADER, DIGEST_HEADER, PART_DIGEST_HEADER, RANGE_DIGEST_HEADER
 from contract.wire import retry_after_s as retry_after_s
 
 log = logging.getLogger("kvgate.connector.client")
@@ -291,13 +291,19 @@ class BlockClient:
         return sha256_hex(data)
 
     async def put(
-        self, key: str, data: Buffer, *, content_range: tuple[int, int, int] | None = None, create_only: bool = False
+        self,
+        key: str,
+        data: Buffer,
+        *,
+        content_range: tuple[int, int, int] | None = None,
+        create_only: bool = False,
+        meta: str | None = None,
     ) -> bool:
         """Store ``data`` under ``key`` (or the part ``[start, end)`` of ``total`` bytes); True once the gateway has it.
 
         False when the gateway is full (507): the store is dropped and counted in ``stats.full_stores``, the
         gateway is not down. The sha256 is computed here, after the caller's copy fence, and sent for the gateway
-        to verify.
+        to verify. ``meta``: the block's ``X-KVGate-Block-Meta`` (``wire.format_block_meta``), for the KV events.
         """
         digest = await self._digest(data)
         headers = {"Content-Type": "application/octet-stream"}
@@ -309,6 +315,8 @@ class BlockClient:
             headers[PART_DIGEST_HEADER] = digest
         if create_only:
             headers["If-None-Match"] = "*"
+        if meta is not None:
+            headers[BLOCK_META_HEADER] = meta
         status, (_, body) = await self._request("PUT", f"/v1/blocks/{key}", data=data, headers=headers)
         if status == 412:
             return True

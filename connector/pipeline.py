@@ -170,6 +170,7 @@ class WorkerPipeline:
             for start in range(0, len(ids), transfer.max_blocks_per_batch):
                 chunk = ids[start : start + transfer.max_blocks_per_batch]
                 keys = [self.naming.block(h, group) for h in job.hashes[start : start + len(chunk)]]
+                metas: list[str | None] = list(job.metas[start : start + len(chunk)] or (None,) * len(chunk))
                 nbytes = len(chunk) * transfer.geometry.block_bytes
                 if not self.client.reserve(nbytes):
                     self.stats.dropped_blocks += len(chunk)
@@ -185,15 +186,25 @@ class WorkerPipeline:
                     continue
                 with self._lock:
                     pending.last[group] = self._unordered[group] = self._newest[group] = batch.event
-                    upload = self.client.submit(self._upload(batch, keys, part, nbytes))
+                    upload = self.client.submit(self._upload(batch, keys, metas, part, nbytes))
                     self._uploads.add(upload)
                 upload.add_done_callback(self._upload_done)
 
-    async def _upload(self, batch: StagedBatch, keys: list[str], part: tuple[int, int, int] | None, nbytes: int) -> int:
+    async def _upload(
+        self,
+        batch: StagedBatch,
+        keys: list[str],
+        metas: list[str | None],
+        part: tuple[int, int, int] | None,
+        nbytes: int,
+    ) -> int:
         try:
             await batch.wait()
-            results = await asyncio.gather(
-                *(self.client.put(key, batch.block_view(i), content_range=part) for i, key in enumerate(keys)),
+            results = await asyncio.gather(  # started in chain order: a block's parent before it (its events wait)
+                *(
+                    self.client.put(key, batch.block_view(i), content_range=part, meta=meta)
+                    for i, (key, meta) in enumerate(zip(keys, metas, strict=True))
+                ),
                 return_exceptions=True,
             )
         finally:

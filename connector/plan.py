@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from connector.client import BlockClient, ConnectorError, LookupSlot
 from contract.keys import RunNaming, block_path
+from contract.wire import format_block_meta
 
 log = logging.getLogger("kvgate.connector.plan")
 
@@ -26,6 +27,9 @@ class BlockJob:
     req_id: str
     hashes: tuple[bytes, ...]
     block_ids: tuple[tuple[int, ...], ...]
+    metas: tuple[str | None, ...] = ()
+    """Stores: each block's ``X-KVGate-Block-Meta`` (its token ids and its parent's hash, from vLLM's request),
+    so that the gateway's KV events say what vLLM's own say of it; empty: none."""
 
 
 @dataclass(slots=True)
@@ -44,6 +48,8 @@ class _Request:
     """The request's live block-hash list (it grows as tokens are added)."""
     hash_stride: int
     block_ids: list[list[int]]
+    tokens: Sequence[int] = ()
+    """The request's live token-id list (vLLM's ``all_token_ids``): a stored block's tokens, for its events."""
     lookup: concurrent.futures.Future[tuple[int, list[LookupSlot]]] | None = None
     present: int = 0
     """Leading blocks the gateway holds (from the lookup): never stored again."""
@@ -110,12 +116,20 @@ class SchedulerPlanner:
     # -- the hit -------------------------------------------------------------------------------------------
 
     def matched_tokens(
-        self, *, req_id: str, block_hashes: Sequence[bytes], num_tokens: int, num_computed_tokens: int
+        self,
+        *,
+        req_id: str,
+        block_hashes: Sequence[bytes],
+        num_tokens: int,
+        num_computed_tokens: int,
+        token_ids: Sequence[int] = (),
     ) -> int | None:
-        """Tokens beyond ``num_computed_tokens`` that kvgate can supply; None while the lookup is in flight."""
+        """Tokens beyond ``num_computed_tokens`` that kvgate can supply; None while the lookup is in flight.
+
+        ``block_hashes`` and ``token_ids``: the request's live lists (they grow as tokens are added)."""
         req = self._requests.get(req_id)
         if req is None:
-            req = _Request(hashes=block_hashes, hash_stride=self.hash_stride, block_ids=[])
+            req = _Request(hashes=block_hashes, hash_stride=self.hash_stride, block_ids=[], tokens=token_ids)
             self._requests[req_id] = req
         if req.lookup is None:
             hashes = self._hashes(req)
@@ -184,8 +198,15 @@ class SchedulerPlanner:
             return
         start = req.stored
         ids = tuple(tuple(g[start : len(hashes)]) for g in req.block_ids)
-        self._plan.stores.append(BlockJob(req_id=req_id, hashes=tuple(hashes[start:]), block_ids=ids))
+        metas = tuple(self._meta(req, hashes, i) for i in range(start, len(hashes)))
+        self._plan.stores.append(BlockJob(req_id=req_id, hashes=tuple(hashes[start:]), block_ids=ids, metas=metas))
         req.stored = len(hashes)
+
+    def _meta(self, req: _Request, hashes: Sequence[bytes], i: int) -> str | None:
+        """Block ``i``'s meta: its tokens and the hash of block ``i - 1``, as vLLM's BlockStored has them."""
+        end = (i + 1) * self.block_size
+        tokens = req.tokens[end - self.block_size : end] if len(req.tokens) >= end else ()
+        return format_block_meta(parent=hashes[i - 1] if i else None, tokens=tokens)
 
     def preempted(self, req_ids: Iterable[str]) -> None:
         self._plan.preempted.extend(req_ids)

@@ -196,6 +196,7 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             block_hashes=request.block_hashes,
             num_tokens=request.num_tokens,
             num_computed_tokens=num_computed_tokens,
+            token_ids=request.all_token_ids,  # a stored block's tokens, for the gateway's KV events
         )
         if n is None:
             return None, False

@@ -42,6 +42,7 @@ from vllm.v1.kv_offload.tiering.base import (
 
 from connector.client import BlockClient, ConnectorError, GatewayUnavailable
 from connector.settings import TierSettings
+from connector.tier_meta import ChunkShape, RequestTokens, announced
 from contract.keys import parse_block_key, parse_config_key
 
 log = logging.getLogger("kvgate.vllm_tier")
@@ -89,6 +90,10 @@ class KVGateTier(SecondaryTierManager):  # type: ignore[misc]
         self._rows = primary_kv_view.cast("B")
         self._row_bytes: int = int(self.block_size_bytes)
         self._transfer_timeout_s = settings.transfer_timeout_s
+        self._chunks = ChunkShape(  # a chunk's tokens and parent, for the gateway's KV events (tier_meta.py)
+            tuple(t * offloading_spec.blocks_per_chunk for t in offloading_spec.tokens_per_block),
+            offloading_spec.tokens_per_hash,
+        )
         self._lookup_batch_keys = settings.lookup_batch_keys
 
         self.file_mapper = FileMapper.from_offloading_spec(
@@ -141,6 +146,8 @@ class KVGateTier(SecondaryTierManager):  # type: ignore[misc]
     # -- lookups (scheduler thread) ------------------------------------------------------------------------------
 
     def on_new_request(self, req_context: ReqContext) -> Any:
+        if (tokens := announced.get()) is not None:  # KVGateOffloadingConnector tells the request's tokens
+            req_context.set_state(tokens)
         return RequestOffloadingContext()
 
     def lookup(self, key: bytes, req_context: ReqContext) -> Any:
@@ -208,7 +215,9 @@ class KVGateTier(SecondaryTierManager):  # type: ignore[misc]
             self._store_keys[job_metadata.job_id] = keys
         # Keys this tier already knows are on the gateway are not sent again.
         present = [(p := self._probes.get(k)) is not None and p.result is True for k in keys]
-        coro = self._store(job_metadata.job_id, keys, chunk_ids, present)
+        ctx, tokens = job_metadata.req_context, job_metadata.req_context.get_state(RequestTokens)
+        metas = [self._chunks.meta(tokens, key=k, end=ctx.get_offload_key_position(k)) for k in job_metadata.keys]
+        coro = self._store(job_metadata.job_id, keys, chunk_ids, present, metas)
         self._start(coro, job_metadata.job_id, keys, is_load=False)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
@@ -330,28 +339,31 @@ class KVGateTier(SecondaryTierManager):  # type: ignore[misc]
         finally:
             self._answers.put(answers)
 
-    async def _store(self, job_id: int, keys: list[bytes], chunk_ids: list[int], present: list[bool]) -> None:
+    async def _store(
+        self, job_id: int, keys: list[bytes], chunk_ids: list[int], present: list[bool], metas: list[str | None]
+    ) -> None:
         started = time.monotonic()
         ok = [False] * len(keys)
         sent_bytes = 0
         try:
             if await self._ensure_config():
-                rows = list(zip(keys, chunk_ids, present, strict=True))
-                sent = await asyncio.gather(*(self._store_row(k, c) for k, c, known in rows if not known))
+                rows = list(zip(keys, chunk_ids, present, metas, strict=True))
+                sent = await asyncio.gather(*(self._store_row(k, c, m) for k, c, known, m in rows if not known))
                 sent_bytes = sum(sent) * self._row_bytes
                 results = iter(sent)
                 ok = [True if known else next(results) for known in present]
         finally:
             self._report(_Done(job_id, False, keys, ok, time.monotonic() - started, sent_bytes))
 
-    async def _store_row(self, key: bytes, chunk_id: int) -> bool:
+    async def _store_row(self, key: bytes, chunk_id: int, meta: str | None) -> bool:
         if self._is_down():
             return False
         offset = chunk_id * self._row_bytes
         try:
             async with self._client.hold(self._row_bytes, timeout_s=self._transfer_timeout_s):
                 body = self._rows[offset : offset + self._row_bytes]
-                return await self._client.put(self.key_path(key), body)  # False: the gateway is full (507)
+                # False: the gateway is full (507)
+                return await self._client.put(self.key_path(key), body, meta=meta)
         except GatewayUnavailable:  # the client opened its circuit
             pass
         except Exception as exc:

@@ -53,7 +53,9 @@ class MemoryClient:
     def release(self, nbytes: int) -> None:
         self.inflight_bytes -= nbytes
 
-    async def put(self, key: str, data: Any, *, content_range: Any = None, create_only: bool = False) -> bool:
+    async def put(
+        self, key: str, data: Any, *, content_range: Any = None, create_only: bool = False, meta: Any = None
+    ) -> bool:
         self.objects[key] = bytes(data)
         return True
 

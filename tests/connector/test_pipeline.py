@@ -278,13 +278,20 @@ def test_scheduler_plans_one_lookup_loads_and_stores(bc: BlockClient) -> None:
         client=bc, keys=KeyScheme(namings=[nm], num_groups=1), block_size=BLOCK, hash_block_size=BLOCK, lookup_wait_s=10
     )
     live = list(hs)
-    got = planner.matched_tokens(req_id="q", block_hashes=live, num_tokens=5 * BLOCK + 3, num_computed_tokens=0)
+    tokens = list(range(100, 100 + 5 * BLOCK + 3))  # vLLM's all_token_ids of the request
+    got = planner.matched_tokens(
+        req_id="q", block_hashes=live, num_tokens=5 * BLOCK + 3, num_computed_tokens=0, token_ids=tokens
+    )
     assert got == 3 * BLOCK
     planner.after_alloc(req_id="q", block_ids=[[9, 8, 7, 6, 5, 4]], num_external_tokens=3 * BLOCK)
     planner.scheduled(req_id="q", new_block_ids=None, num_computed_tokens=3 * BLOCK, num_scheduled_tokens=2 * BLOCK + 3)
     plan = planner.build()
     assert plan.loads == [BlockJob(req_id="q", hashes=hs[:3], block_ids=((9, 8, 7),))]
-    assert plan.stores == [BlockJob(req_id="q", hashes=hs[3:5], block_ids=((6, 5),))]
+    # each stored block says its tokens and its parent's hash (the block before it), as vLLM's BlockStored does
+    metas = tuple(
+        f"parent={hs[i - 1].hex()}; tokens=" + ",".join(map(str, tokens[i * BLOCK : (i + 1) * BLOCK])) for i in (3, 4)
+    )
+    assert plan.stores == [BlockJob(req_id="q", hashes=hs[3:5], block_ids=((6, 5),), metas=metas)]
     assert planner.build().loads == []
     # everything present: the last block is left for vLLM to compute
     got = planner.matched_tokens(req_id="z", block_hashes=list(hs[:3]), num_tokens=3 * BLOCK, num_computed_tokens=0)

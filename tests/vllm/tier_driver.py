@@ -48,6 +48,7 @@ def make_spec(
     row_bytes: int = ROW_BYTES,
     tp_size: int = 1,
     engine_id: str = "kvgate-test",
+    blocks_per_chunk: int = 1,
 ) -> TieringOffloadingSpec:
     config = OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("model.layers.0.attn",), group_id=0),),
@@ -56,7 +57,7 @@ def make_spec(
         extra_config={"cpu_bytes_to_use": num_chunks * row_bytes, "secondary_tiers": tiers},
         engine_id=f"{engine_id}-{os.getpid()}-{random.randrange(1 << 30)}",
         model=OffloadingModelConfig(name="test-org/tiny-model", dtype="float16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=blocks_per_chunk),
         parallel=OffloadingParallelConfig(
             rank=0,
             world_size=1,
@@ -371,7 +372,14 @@ def full(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def meta(args: argparse.Namespace) -> dict[str, Any]:
+    from tests.vllm.tier_meta_scenario import meta as scenario
+
+    return scenario(args)
+
+
 SCENARIOS = {
+    "meta": meta,
     "roundtrip": roundtrip,
     "fs-write": fs_write,
     "kvgate-then-fs": kvgate_then_fs,

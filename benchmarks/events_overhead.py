@@ -1,13 +1,15 @@
 """PUT throughput with KV events on and off, in one run on one machine, and the events/s a subscriber receives.
 
     .venv/bin/python -m benchmarks.events_overhead [--count 2000] [--concurrency 16] [--block-size 4096] [--rounds 3]
+        [--meta-tokens 16]
 
 Starts two gateways on loopback (filesystem backend, each its own data dir): events off, and events on (ZMQ PUB and
 replay sockets on loopback) with a ZMQ subscriber in this process decoding every batch. Runs ``kvgate bench``
 (aiohttp, PUT phase only, new keys and bytes each round) against each in turn for ``--rounds`` rounds, interleaved,
 so that load from elsewhere on the machine falls on both alike. Prints median PUT req/s of each, their ratio, and
 the events the subscriber decoded per second of the PUT phases (every committed PUT is one BlockStored). Small
-blocks make the request rate, and so the per-event cost, as high as it gets. CI does not run this.
+blocks make the request rate, and so the per-event cost, as high as it gets. ``--meta-tokens N``: every PUT (to both
+gateways) carries X-KVGate-Block-Meta with N token ids and a parent, as the connectors send it. CI does not run this.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from typing import Any
 import msgspec
 import zmq
 
-from app.core.events import EventBus
-from app.core.events_zmq import KVEventBatch, ZmqPublisher
+from app.core.events import EventBus, WriterMeta, writer_meta
+from app.core.events_wire import EventCodec, KVEventBatch, Topics
+from app.core.events_zmq import ZmqPublisher
 from app.index import BlockRecord
 from tests.conftest import key_for
 from tests.events.helpers import events_gateway
@@ -72,7 +75,7 @@ def cpu_seconds(gw: Gateway) -> float:
 def bench(url: str, out: Path, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "app", "bench", "--url", url, "--quiet", "--json", str(out), "--seed", str(seed)]
     cmd += ["-c", str(args.concurrency), "-n", str(args.count), "--block-size", str(args.block_size)]
-    cmd += ["--phases", "put"]
+    cmd += ["--phases", "put", "--meta-tokens", str(args.meta_tokens)]
     subprocess.run(cmd, cwd=REPO, check=True, timeout=600)
     result: dict[str, Any] = json.loads(out.read_text())
     if result["errors"]:
@@ -85,8 +88,8 @@ async def _publish(n: int, endpoint: str, counter: Counter) -> float:
     """Seconds for ``n`` events, one per loop turn (one batch each: the worst case), until all are decoded."""
     import asyncio
 
-    publisher = ZmqPublisher(endpoint=endpoint, replay_endpoint=None)
-    bus = EventBus(sinks=[publisher])
+    publisher = ZmqPublisher(endpoint=endpoint, replay_endpoint=None, codec=EventCodec())
+    bus = EventBus(sinks=[publisher], codec=publisher.codec, topics=Topics())
     records = [_record(key_for(i)) for i in range(1000)]
     counter.target = n
     await asyncio.sleep(0.5)  # the subscriber joins
@@ -101,16 +104,18 @@ async def _publish(n: int, endpoint: str, counter: Counter) -> float:
     return seconds
 
 
-def loop_cost_us(n: int) -> float:
-    """CPU microseconds one event costs the gateway's loop: record -> event, batch, msgpack, PUB send, ring."""
+def loop_cost_us(n: int, meta_tokens: int) -> float:
+    """CPU microseconds one event costs the gateway's loop: record -> event (encoded), batch, PUB send, ring."""
     import asyncio
 
     from tests.gateway import free_port
 
     async def run() -> float:
-        publisher = ZmqPublisher(endpoint=f"tcp://127.0.0.1:{free_port()}", replay_endpoint=None)
-        bus = EventBus(sinks=[publisher])
+        publisher = ZmqPublisher(endpoint=f"tcp://127.0.0.1:{free_port()}", replay_endpoint=None, codec=EventCodec())
+        bus = EventBus(sinks=[publisher], codec=publisher.codec, topics=Topics())
         records = [_record(key_for(i)) for i in range(1000)]
+        if meta_tokens:
+            writer_meta.set(WriterMeta(token_ids=tuple(range(meta_tokens)), parent="ab" * 32))
         start = time.process_time()
         for i in range(n):
             bus.stored(records[i % len(records)])
@@ -161,6 +166,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--durable", action="store_true", help="fsync and SQLite FULL (default: both off, faster)")
     parser.add_argument("--publisher-events", type=int, default=50_000, help="events for the publisher-only run")
+    parser.add_argument("--meta-tokens", type=int, default=0, help="token ids in each PUT's block meta (0: none)")
     args = parser.parse_args()
     fast = (
         {}
@@ -206,7 +212,7 @@ def main() -> None:
     print(
         f"\nkvgate PUT with KV events: {args.count} x {args.block_size} B PUTs, concurrency {args.concurrency}, "
         f"{os.cpu_count()} cores shared by client, servers and subscriber, {args.rounds} rounds (order alternating), "
-        f"{mode}"
+        f"{mode}, {args.meta_tokens} token ids of block meta per PUT"
     )
     for name, values in figures.items():
         med = statistics.median(values)
@@ -220,7 +226,8 @@ def main() -> None:
     print(f"events decoded by a ZMQ subscriber: {statistics.median(rates):.0f}/s (median of rounds), none missing")
     capacity = publisher_capacity(args.publisher_events)
     print(f"publisher alone (bus + ZMQ, one batch per event, one loop): {capacity:.0f} events/s")
-    print(f"CPU per event on the gateway's loop (no subscriber): {loop_cost_us(args.publisher_events):.1f} us")
+    cost_us = loop_cost_us(args.publisher_events, args.meta_tokens)
+    print(f"CPU per event on the gateway's loop (no subscriber): {cost_us:.1f} us")
 
 
 if __name__ == "__main__":

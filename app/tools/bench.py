@@ -24,6 +24,7 @@ import typer
 from app.tools.bench_clients import Client, make_client
 from app.tools.tls_client import CaCert, ClientCert, ClientKey, ClientTLS
 from contract.keys import block_path
+from contract.wire import format_block_meta
 
 NAMESPACE = "kvgate-bench_000000000000"
 OPS = ("put", "get", "head", "lookup")
@@ -78,6 +79,8 @@ class BenchConfig:
     zipf_s: float = 1.1
     lookup_batch: int = 32
     seed: int = 0
+    meta_tokens: int = 0
+    """PUTs carry X-KVGate-Block-Meta with this many token ids and the previous key's hash (0: none)."""
     timeout_s: float = 120.0
     cacert: str | None = None
     cert: str | None = None
@@ -174,6 +177,14 @@ class Runner:
     def key(self, i: int) -> str:
         return bench_key(seed=self.cfg.seed, i=i)
 
+    def meta(self, i: int) -> str | None:
+        """Key ``i``'s block meta: the previous key's hash as its parent, and ``meta_tokens`` token ids."""
+        n = self.cfg.meta_tokens
+        if not n:
+            return None
+        parent = self.key(i - 1).rsplit("/", 1)[1].removesuffix(".bin") if i else None
+        return format_block_meta(parent=parent, tokens=[(i * n + j) % 50_000 for j in range(n)])
+
     def _error(self, stats: OpStats, msg: str) -> None:
         stats.errors += 1
         if len(self.first_errors) < 5:
@@ -184,7 +195,7 @@ class Runner:
         t0 = time.perf_counter()
         try:
             if op == "put":
-                status = await self.client.put(url, self.payloads.body(i))
+                status = await self.client.put(url, self.payloads.body(i), meta=self.meta(i))
                 if status in (200, 201, 204):
                     stats.ok += 1
                     stats.bytes += self.cfg.block_size
@@ -358,6 +369,9 @@ def bench_command(
     distribution: Annotated[str, typer.Option(help="key distribution for get/head/mix: uniform or zipf")] = "uniform",
     zipf_s: Annotated[float, typer.Option(help="zipf exponent")] = 1.1,
     lookup_batch: Annotated[int, typer.Option(min=1, help="keys per lookup call")] = 32,
+    meta_tokens: Annotated[
+        int, typer.Option(min=0, help="PUTs carry X-KVGate-Block-Meta with this many token ids and a parent")
+    ] = 0,
     seed: Annotated[int, typer.Option(help="seed for keys, bytes and picks")] = 0,
     json_out: Annotated[Path | None, typer.Option("--json", help="write the result here")] = None,
     quiet: Annotated[bool, typer.Option(help="no progress bar or table")] = False,
@@ -390,6 +404,7 @@ def bench_command(
         zipf_s=zipf_s,
         lookup_batch=lookup_batch,
         seed=seed,
+        meta_tokens=meta_tokens,
         cacert=str(cacert) if cacert else None,
         cert=str(cert) if cert else None,
         key=str(key) if key else None,

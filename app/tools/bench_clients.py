@@ -9,9 +9,12 @@ import hashlib
 import ssl
 from typing import Any, Protocol
 
+from contract.wire import BLOCK_META_HEADER
+
 
 class Client(Protocol):
-    async def put(self, url: str, body: memoryview) -> int: ...
+    async def put(self, url: str, body: memoryview, *, meta: str | None = None) -> int:
+        """``meta``: an X-KVGate-Block-Meta value, as the connectors send one."""
 
     async def get(self, url: str) -> tuple[int, int, str]:
         """(status, body length, hex sha256 of the body)."""
@@ -36,8 +39,10 @@ class AiohttpClient:
             skip_auto_headers=("Accept-Encoding", "User-Agent"),
         )
 
-    async def put(self, url: str, body: memoryview) -> int:
+    async def put(self, url: str, body: memoryview, *, meta: str | None = None) -> int:
         headers = {"Content-Type": "application/octet-stream", "Content-Length": str(len(body))}
+        if meta is not None:
+            headers[BLOCK_META_HEADER] = meta
         async with self._session.put(url, data=body, headers=headers) as r:
             await r.read()
             return r.status
@@ -76,8 +81,11 @@ class HttpxClient:
             timeout=timeout_s,
         )
 
-    async def put(self, url: str, body: memoryview) -> int:
-        r = await self._client.put(url, content=bytes(body), headers={"Content-Type": "application/octet-stream"})
+    async def put(self, url: str, body: memoryview, *, meta: str | None = None) -> int:
+        headers = {"Content-Type": "application/octet-stream"}
+        if meta is not None:
+            headers[BLOCK_META_HEADER] = meta
+        r = await self._client.put(url, content=bytes(body), headers=headers)
         return r.status_code
 
     async def get(self, url: str) -> tuple[int, int, str]:

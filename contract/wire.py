@@ -1,35 +1,47 @@
 """kvgate's wire format, owned here once for the gateway and the connector alike: the ``Range`` and
-``Content-Range`` values, ETag quoting, the sha256 digest headers and the block meta a writer sends for the KV events.
+``Content-Range`` values, ETag quoting, the sha256 digest headers, the writer's block meta, event ids, bearer
+tokens and the JSON bodies the gateway reads.
 
 Pure functions over strings, no HTTP library, standard library only: ``app`` and ``connector`` both import it.
 Byte ranges are half-open ``[start, end)`` in Python and inclusive on the wire.
-Malformed values raise ``MalformedHeader``; a well-formed range that selects nothing of the object raises
-``RangeNotSatisfiable`` (with the object's size, for the 416's ``Content-Range: bytes */size``).
+Every parser here takes ASCII grammar only (``str.isdigit`` and ``int`` also take '²' or Arabic-Indic digits: no
+parser uses them) and bounded sizes, and fails with a :class:`WireError`: malformed values raise
+``MalformedHeader`` (``MalformedBody`` for a body); a well-formed range that selects nothing of the object raises
+``RangeNotSatisfiable`` (with the object's size, for the 416's ``Content-Range: bytes */size``). The gateway maps
+each to its 4xx in one table, so no input reaches a 5xx through a parser.
 """
 
 from __future__ import annotations
 
 import email.utils
+import json
 import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = [
     "BLOCK_META_HEADER",
     "DIGEST_HEADER",
     "PART_DIGEST_HEADER",
     "RANGE_DIGEST_HEADER",
+    "BlockMetaValue",
     "ByteSpan",
+    "MalformedBody",
     "MalformedHeader",
     "RangeNotSatisfiable",
     "WireError",
     "format_block_meta",
     "format_content_range",
     "format_range",
+    "parse_bearer",
+    "parse_block_meta",
     "parse_content_range",
     "parse_digest",
+    "parse_json",
     "parse_range",
+    "parse_uint",
     "quote_etag",
     "retry_after_s",
     "unquote_etag",
@@ -46,11 +58,21 @@ BLOCK_META_HEADER = "X-KVGate-Block-Meta"
 """``parent=<hex>; tokens=1,2,3`` on a PUT: the block's token ids and its parent's hash, for the KV events."""
 MAX_BLOCK_META_BYTES = 8192
 MAX_BLOCK_META_TOKENS = 1024
+MAX_TOKEN_ID_DIGITS = 11
+MAX_JSON_DEPTH = 32
+"""Deepest nesting of a JSON body the gateway reads (a lookup is 2 deep, a namespace's fields 4)."""
 
 _RANGE = re.compile(r"bytes=([0-9]{0,18})-([0-9]{0,18})", re.ASCII | re.IGNORECASE)
 """One ``bytes=a-b`` range, ASCII digits only (``str.isdigit`` also accepts '²' and other digits ``int`` rejects)."""
 _CONTENT_RANGE = re.compile(r"bytes ([0-9]{1,15})-([0-9]{1,15})/([0-9]{1,15})", re.ASCII)
 _HEX64 = re.compile(r"[0-9a-fA-F]{64}", re.ASCII)
+_UINT = re.compile(r"[0-9]{1,18}", re.ASCII)
+_TOKEN_IDS = re.compile(rf"[0-9]{{1,{MAX_TOKEN_ID_DIGITS}}}(?:,[0-9]{{1,{MAX_TOKEN_ID_DIGITS}}})*", re.ASCII)
+_PARENT = re.compile(r"(?:[0-9a-fA-F]{2}){8,32}", re.ASCII)
+"""A block hash: whole bytes of hex, 8 to 32 of them (an odd length is no hash, and no vLLM event could carry it)."""
+_BEARER = re.compile(r"[Bb][Ee][Aa][Rr][Ee][Rr] +([A-Za-z0-9._~+/-]{1,512}=*) *", re.ASCII)
+"""RFC 6750's ``Bearer b64token``, at most 512 characters."""
+_JSON_NESTING = re.compile(rb'[\[\]{}"\\]')
 
 
 class WireError(ValueError):
@@ -59,6 +81,10 @@ class WireError(ValueError):
 
 class MalformedHeader(WireError):
     """Not the grammar kvgate speaks (a 400 at the gateway)."""
+
+
+class MalformedBody(WireError):
+    """A request body that is not the bounded JSON kvgate reads (a 400 at the gateway)."""
 
 
 class RangeNotSatisfiable(WireError):
@@ -209,3 +235,93 @@ def format_block_meta(*, parent: str | bytes | None, tokens: Sequence[int]) -> s
         parts.append("tokens=" + ",".join(map(str, tokens)))
     value = "; ".join(parts)
     return value if value and len(value) <= MAX_BLOCK_META_BYTES else None
+
+
+# -- numbers, block meta, bearer tokens (request headers and query values) ------------------------------------------
+
+
+def parse_uint(value: str, *, what: str) -> int:
+    """A non-negative integer of at most 18 ASCII digits (below 2**63), nothing around it."""
+    if not _UINT.fullmatch(value):
+        raise MalformedHeader(f"{what} must be a non-negative integer of at most 18 digits, got {value[:40]!r}")
+    return int(value)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockMetaValue:
+    """What ``X-KVGate-Block-Meta`` says of a block: its parent's hash (lower case) and its token ids."""
+
+    parent: str | None
+    tokens: tuple[int, ...]
+
+
+def parse_block_meta(value: str) -> BlockMetaValue:
+    """``parent=<hex>; tokens=1,2,3`` (either part may be left out, empty parts are ignored), at most 8 KiB and
+    1,024 token ids of at most 11 digits each; the parent is whole bytes of hex, 8 to 32 of them."""
+    if len(value) > MAX_BLOCK_META_BYTES:
+        raise MalformedHeader(f"{BLOCK_META_HEADER} is over {MAX_BLOCK_META_BYTES} bytes")
+    parent: str | None = None
+    tokens: tuple[int, ...] = ()
+    for part in value.split(";"):
+        name, sep, text = part.strip(" \t").partition("=")
+        if not sep:
+            if name:
+                raise MalformedHeader(f"{BLOCK_META_HEADER}: expected name=value, got {name[:40]!r}")
+            continue
+        if name == "parent":
+            if text and not _PARENT.fullmatch(text):
+                raise MalformedHeader(f"{BLOCK_META_HEADER}: parent must be a block hash (16-64 hex, whole bytes)")
+            parent = text.lower() or None
+        elif name == "tokens":
+            if text and (text.count(",") >= MAX_BLOCK_META_TOKENS or not _TOKEN_IDS.fullmatch(text)):
+                raise MalformedHeader(
+                    f"{BLOCK_META_HEADER}: tokens must be at most {MAX_BLOCK_META_TOKENS} non-negative integers of "
+                    f"at most {MAX_TOKEN_ID_DIGITS} digits"
+                )
+            tokens = tuple(int(t) for t in text.split(",")) if text else ()
+        else:
+            raise MalformedHeader(f"{BLOCK_META_HEADER}: unknown field {name[:40]!r}")
+    return BlockMetaValue(parent=parent, tokens=tokens)
+
+
+def parse_bearer(value: str) -> str | None:
+    """The token of ``Authorization: Bearer <token>``; None for any other value (another scheme, no token, a token
+    that is not RFC 6750's ASCII b64token): no principal, a 401."""
+    m = _BEARER.fullmatch(value)
+    return m[1] if m is not None else None
+
+
+# -- JSON bodies ---------------------------------------------------------------------------------------------------
+
+
+def _refuse_constant(name: str) -> Any:
+    raise MalformedBody(f"{name} is not JSON")
+
+
+def parse_json(body: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """A JSON document (UTF-8) nested at most ``max_depth`` deep, with no NaN/Infinity and no integer over 4,300
+    digits; MalformedBody otherwise. The depth is checked before parsing, so no input reaches the parser's
+    recursion limit."""
+    depth, in_string, skip = 0, False, -1
+    for m in _JSON_NESTING.finditer(body):  # only brackets, quotes and backslashes: cheap on long key lists
+        at = m.start()
+        if at == skip:  # the character a backslash escapes
+            continue
+        c = body[at]
+        if in_string:
+            if c == 0x5C:  # backslash
+                skip = at + 1
+            elif c == 0x22:  # the closing quote
+                in_string = False
+        elif c == 0x22:
+            in_string = True
+        elif c in (0x5B, 0x7B):  # [ {
+            depth += 1
+            if depth > max_depth:
+                raise MalformedBody(f"JSON nested deeper than {max_depth}")
+        elif c in (0x5D, 0x7D):  # ] }
+            depth -= 1
+    try:
+        return json.loads(body, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, int digits limit
+        raise MalformedBody(f"not a JSON document: {str(exc)[:120]}") from exc

@@ -6,8 +6,7 @@ import pytest
 
 from app.core.events import MAX_META_TOKENS, WriterMeta, parse_meta_header
 from app.core.events_wire import wire_hash
-from app.errors import InvalidRequest
-from contract.wire import format_block_meta
+from contract.wire import MalformedHeader, format_block_meta
 
 PARENT = "ab" * 32
 
@@ -31,10 +30,13 @@ def test_parse() -> None:
         "tokens",
         "tokens=" + ",".join(["1"] * (MAX_META_TOKENS + 1)),
         "tokens=" + "1" * 9000,
+        "tokens=\u00b2",  # '²': str.isdigit() said yes, int() no: a 500 (issue 26)
+        "tokens=1,\u0661",  # an Arabic-Indic digit: int() takes it, the ASCII grammar does not
+        "tokens=" + "9" * 12,
     ],
 )
 def test_refused(value: str) -> None:
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(MalformedHeader):
         parse_meta_header(value)
 
 

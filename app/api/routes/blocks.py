@@ -13,14 +13,14 @@ from app.api.errors import documented
 from app.api.routes.deps import service, settings
 from app.api.routes.thin import ThinRoute
 from app.config import Settings
-from app.core.events import META_HEADER, parse_meta_header, writer_meta
+from app.core.events import parse_meta_header, writer_meta
 from app.core.keystate import BlockMeta
 from app.core.reads import OpenBlock, read_range_verified
 from app.core.service import BlockService, parse_key
 from app.errors import InvalidRequest, LengthRequired, PayloadTooLarge
 from contract import wire
 from contract.keys import BlockKey
-from contract.wire import DIGEST_HEADER, PART_DIGEST_HEADER, RANGE_DIGEST_HEADER
+from contract.wire import BLOCK_META_HEADER, DIGEST_HEADER, PART_DIGEST_HEADER, RANGE_DIGEST_HEADER
 
 router = APIRouter(prefix="/v1/blocks", tags=["blocks"], route_class=ThinRoute)  # the data path: cheap binding
 
@@ -142,7 +142,7 @@ async def put_block(
         str | None, Header(alias=PART_DIGEST_HEADER, description="hex sha256 of this part's bytes")
     ] = None,
     x_kvgate_block_meta: Annotated[
-        str | None, Header(alias=META_HEADER, description="`parent=<hex>; tokens=1,2,3`: for the KV events")
+        str | None, Header(alias=BLOCK_META_HEADER, description="`parent=<hex>; tokens=1,2,3`: for the KV events")
     ] = None,
 ) -> Response:
     key = parse_key(path)

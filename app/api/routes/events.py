@@ -17,9 +17,14 @@ from fastapi.responses import StreamingResponse
 
 from app.api.errors import documented
 from app.core.events import EventBus
-from app.errors import EventsDisabled, InvalidRequest
+from app.errors import EventsDisabled
+from contract import wire
+from contract.keys import parse_namespace
 
 router = APIRouter(prefix="/v1", tags=["events"])
+
+SEQ_PATTERN = "^[0-9]{1,18}$"
+"""A sequence number as the query takes it (ASCII digits, below 2**63): contract.wire.parse_uint's grammar."""
 
 
 def _message(event: str, data: object, *, seq: int | None = None) -> bytes:
@@ -35,17 +40,23 @@ def _message(event: str, data: object, *, seq: int | None = None) -> bytes:
 )
 async def events(
     request: Request,
-    since: Annotated[int | None, Query(ge=0, description="first sequence number wanted (from the ring)")] = None,
+    since_value: Annotated[
+        str | None,
+        Query(alias="since", pattern=SEQ_PATTERN, description="first sequence number wanted (from the ring)"),
+    ] = None,
     namespace: Annotated[str | None, Query(max_length=512, description="only this namespace's events")] = None,
-    last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
+    last_event_id: Annotated[
+        str | None, Header(alias="Last-Event-ID", description="the last sequence number seen: resume after it")
+    ] = None,
 ) -> StreamingResponse:
     bus: EventBus | None = getattr(request.app.state, "events", None)
     if bus is None:
         raise EventsDisabled("KV events are off (KVGATE_EVENTS_ENABLED=true turns them on)")
+    since = None if since_value is None else wire.parse_uint(since_value, what="since")
     if since is None and last_event_id is not None:
-        if not last_event_id.isdigit():
-            raise InvalidRequest("Last-Event-ID must be a sequence number")
-        since = int(last_event_id) + 1
+        since = wire.parse_uint(last_event_id, what="Last-Event-ID") + 1
+    if namespace is not None:
+        parse_namespace(namespace)  # InvalidKey: a 400
 
     async def stream() -> AsyncIterator[bytes]:
         start = bus.next_seq  # without since: from the hello on (a batch sent while it goes out is replayed)

@@ -163,6 +163,9 @@ class Settings(BaseSettings):
         description="bearer tokens, a JSON list of {name, sha256, role, namespaces}; none: auth off (loopback only)",
     )
     tokens_file: Path | None = Field(default=None, description="JSON or TOML list of tokens, added to `tokens`")
+    tokens_reload_interval_s: float = Field(
+        default=5.0, ge=0, description="re-read the tokens file when it changes (and on SIGHUP); 0: SIGHUP only"
+    )
     metrics_public: bool = Field(default=False, description="serve /metrics without a token")
     max_uploads_in_flight: int = Field(default=256, gt=0, description="PUTs in flight; past it 429 at once")
     max_json_body_bytes: int = Field(default=8 * MiB, gt=0, description="largest non-block request body (413)")
@@ -193,6 +196,11 @@ class Settings(BaseSettings):
         default=5.0, ge=0, description="re-read the certificate files when they change (and on SIGHUP); 0: SIGHUP only"
     )
     require_tls: bool = Field(default=False, description="refuse to start without TLS")
+    root_path: str = Field(
+        default="",
+        pattern=r"^(/[A-Za-z0-9._~-]+)*$",
+        description="the path prefix a proxy serves the gateway under (uvicorn's root_path), e.g. /kvgate",
+    )
 
     events_enabled: bool = Field(
         default=False, description="publish KV events of committed changes (ZMQ in vLLM's format, GET /v1/events)"

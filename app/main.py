@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from app import __version__
 from app.api import errors, openapi
 from app.api.middleware import auth, limits, metrics
+from app.api.middleware.principals import Principals
 from app.api.routes import admin, blocks, docs, events, health, lookup, namespaces
 from app.api.routes import metrics as metrics_route
 from app.api.routes.thin import BlockFastPath
@@ -43,7 +44,23 @@ keyed by vLLM's FileMapper paths. Errors are `{"error": {"code", "message"}}`; a
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     cfg = settings or Settings()
+    return _app(cfg, principals=_principals(cfg))
 
+
+def create_server(settings: Settings | None = None) -> GatewayServer:
+    """The app in its server (uvicorn, the bounded protocol, TLS), with the TLS files and the tokens file reloaded
+    on SIGHUP and on change; ValueError when the start-up rules refuse the settings."""
+    cfg = settings or Settings()
+    principals = _principals(cfg)
+    return build_server(app=_app(cfg, principals=principals), settings=cfg, principals=principals)
+
+
+def _principals(cfg: Settings) -> Principals | None:
+    """Who may call, when any principal can be configured (a tokens file that is empty for now denies everyone)."""
+    return Principals(settings=cfg) if cfg.tokens or cfg.tokens_file is not None else None
+
+
+def _app(cfg: Settings, *, principals: Principals | None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with open_backends(cfg) as backends, _serving(app, cfg=cfg, backends=backends):
@@ -66,19 +83,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         BlockFastPath, routes=blocks.router.routes, prefix=blocks.router.prefix + "/"
     )  # innermost: the data path's dispatch
     limits.install(app, cfg)  # inside auth: an unauthenticated request takes no upload slot
-    auth.install(app, cfg)
+    auth.install(app, principals, cfg)
     if cfg.metrics_enabled:
         metrics.install(app)  # outermost: it counts every answer, refusals included
         app.include_router(metrics_route.router)
     openapi.install(app, cfg)
     return app
-
-
-def create_server(settings: Settings | None = None) -> GatewayServer:
-    """The app in its server (uvicorn, the bounded protocol, TLS and its reloader); ValueError when the start-up
-    rules refuse the settings."""
-    cfg = settings or Settings()
-    return build_server(app=create_app(cfg), settings=cfg)
 
 
 @contextlib.asynccontextmanager

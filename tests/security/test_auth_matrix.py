@@ -1,7 +1,15 @@
-"""Every route x {no token, bad token, read, write, admin, other-namespace, namespace-scoped admin} -> status."""
+"""Every route x {no token, bad token, read, write, admin, other-namespace, namespace-scoped admin} -> status.
+
+The matrix runs against a gateway served at the root, under a root path (``KVGATE_ROOT_PATH``, what a proxy that
+strips a prefix needs), and under another ASGI server that sets the root path itself (uvicorn's ``--root-path``):
+auth must answer the same everywhere, and a request that matches no route gets the strictest answer.
+"""
 
 from __future__ import annotations
 
+import os
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,7 +55,9 @@ CALLS = [
     Call("GET", f"/v1/namespaces/{TEST_NS}", "admin", frozenset({200})),
     Call("GET", "/v1/stats", "admin", frozenset({200}), global_route=True),
     Call("DELETE", f"/v1/namespaces/{OTHER_NS}", "admin", frozenset({200, 204, 404})),
-    Call("GET", "/v1/no-such-route", "read", frozenset({404})),
+    # deny by default: no route matched, so admin only, and refused to any token limited to namespaces
+    Call("GET", "/v1/no-such-route", "admin", frozenset({404}), global_route=True),
+    Call("DELETE", "/v2/blocks/x", "admin", frozenset({404}), global_route=True),
 ]
 RANK = {"read": 1, "write": 2, "admin": 3}
 WHO: dict[str, tuple[str | None, str | None, set[str] | None]] = {
@@ -70,7 +80,7 @@ def expected(call: Call, who: str) -> str:
         return "401"
     if RANK[role] < RANK[call.need]:
         return "403"
-    if namespaces is not None and call.url != "/v1/no-such-route":
+    if namespaces is not None:
         if call.global_route:
             return "403"
         touched = OTHER_NS if OTHER_NS in call.url else TEST_NS
@@ -79,13 +89,39 @@ def expected(call: Call, who: str) -> str:
     return "ok"
 
 
-@pytest.fixture(scope="module")
-def gw(tmp_path_factory: pytest.TempPathFactory) -> Gateway:
-    gateway = start_secure(tmp_path_factory.mktemp("matrix") / "data")
+class UvicornGateway(Gateway):
+    """The app under uvicorn's own command line with ``--root-path``: an ASGI server that sets the root path in
+    every scope, whatever kvgate's settings say."""
+
+    def start(self, *, timeout_s: float = 90.0) -> Gateway:
+        env = {**os.environ, "PYTHONPATH": str(self.cwd), "KVGATE_DATA_DIR": str(self.data_dir), **self.extra_env}
+        argv = [sys.executable, "-m", "uvicorn", "--factory", "app.main:create_app", "--port", str(self.port)]
+        self._spawn(
+            [*argv, "--host", "127.0.0.1", "--root-path", "/mounted", "--log-level", "warning"],
+            env=env,
+            ready=lambda: httpx.get(f"{self.url}/readyz", headers=bearer("admin"), timeout=1.0).status_code == 200,
+            timeout_s=timeout_s,
+        )
+        return self
+
+
+SERVED = ["root", "root_path", "asgi_server_root_path"]
+
+
+@pytest.fixture(scope="module", params=SERVED)
+def gw(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    data = tmp_path_factory.mktemp("matrix") / "data"
+    env = {"KVGATE_TOKENS": tokens_json()}
+    if request.param == "root_path":
+        gateway = Gateway(data, env={**env, "KVGATE_ROOT_PATH": "/kvgate"}).start()
+    elif request.param == "asgi_server_root_path":
+        gateway = UvicornGateway(data, env=env).start()
+    else:
+        gateway = start_secure(data)
     with httpx.Client(base_url=gateway.url, headers=bearer("admin")) as c:
         assert c.put(f"/v1/blocks/{KEY}", content=DATA).status_code == 201
         assert c.put(f"/v1/namespaces/{TEST_NS}/config", json=FIELDS).status_code == 201
-    yield gateway  # type: ignore[misc]
+    yield gateway
     gateway.stop()
 
 
@@ -105,6 +141,13 @@ def test_matrix(gw: Gateway, call: Call, who: str) -> None:
         assert r.json()["error"]["code"] == ("unauthorized" if want == "401" else "forbidden")
     if want == "401":
         assert r.headers["www-authenticate"].startswith("Bearer")
+
+
+def test_refusals_changed_nothing(gw: Gateway) -> None:
+    """Whatever the matrix refused (a DELETE by a read token among them) left the seeded block as it was."""
+    with httpx.Client(base_url=gw.url, headers=bearer("admin"), timeout=30) as c:
+        r = c.get(f"/v1/blocks/{KEY}")
+        assert r.status_code == 200 and r.content == DATA
 
 
 def test_scoped_tokens_stay_in_their_namespace(gw: Gateway) -> None:

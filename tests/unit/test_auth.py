@@ -10,7 +10,10 @@ import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx
 import pytest
+from starlette.applications import Starlette
+from starlette.routing import Mount
 
 from tests.conftest import TEST_NS, key_for, random_bytes
 from tests.security.conftest import OTHER_NS, TOKENS, bearer, tokens_json
@@ -27,13 +30,13 @@ async def secure(tmp_path: Path) -> AsyncIterator[Gateway]:
         yield g
 
 
-@pytest.mark.parametrize("who", list(WHO))
-async def test_matrix(secure: Gateway, who: str) -> None:
+async def _matrix(client: httpx.AsyncClient, who: str) -> list[tuple[str, str, str, int, str]]:
+    """Every call of the matrix as ``who``: the ones whose answer is not the expected one."""
     token = WHO[who][0]
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     wrong = []
     for call in CALLS:
-        r = await secure.client.request(call.method, call.url, headers=headers, content=call.body, json=call.json)
+        r = await client.request(call.method, call.url, headers=headers, content=call.body, json=call.json)
         want = expected(call, who)
         if want == "ok":
             if r.status_code not in call.ok:
@@ -46,10 +49,27 @@ async def test_matrix(secure: Gateway, who: str) -> None:
             assert r.json()["error"]["code"] == ("unauthorized" if want == "401" else "forbidden")
         if want == "401":
             assert r.headers["www-authenticate"].startswith("Bearer")
-    assert wrong == []
+    return wrong
+
+
+@pytest.mark.parametrize("who", list(WHO))
+async def test_matrix(secure: Gateway, who: str) -> None:
+    assert await _matrix(secure.client, who) == []
     # what was refused changed nothing: the seeded block is still there, with its bytes
     got = await secure.client.get(f"/v1/blocks/{KEY}", headers=bearer("admin"))
     assert got.status_code == 200 and got.content == DATA
+
+
+@pytest.mark.parametrize("who", list(WHO))
+async def test_matrix_mounted_under_a_path(secure: Gateway, who: str) -> None:
+    """The gateway mounted in another ASGI app at /kv (the mount puts /kv into root_path and path): auth finds the
+    same route the router does, and answers as at the root."""
+    parent = Starlette(routes=[Mount("/kv", app=secure.app)])
+    transport = httpx.ASGITransport(app=parent)
+    async with httpx.AsyncClient(transport=transport, base_url="http://kvgate.test/kv") as client:
+        assert await _matrix(client, who) == []
+        got = await client.get(f"/v1/blocks/{KEY}", headers=bearer("admin"))
+        assert got.status_code == 200 and got.content == DATA
 
 
 async def test_refused_put_stores_nothing(secure: Gateway) -> None:

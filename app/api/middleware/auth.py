@@ -1,10 +1,14 @@
 """Bearer tokens with roles and namespace scopes, enforced by one ASGI layer for every route, present or future.
 
-A request is classified by (method, route template) into the role it needs: ``None`` (open), ``read``, ``write``
-or ``admin``. Data-plane routes are listed in :data:`RULES`; any other route is admin-only until it is classified
-there (deny by default). The namespaces a request touches come from the matched route's path parameters
-(``path``: a block or config key, ``namespace``) and, for ``POST /v1/lookup``, from every key of the body. A token
-limited to namespaces may touch only those; a route that touches no particular namespace is refused to it.
+A request is classified by (method, route template) into the role it needs: ``None`` (open), ``read``, ``write`` or
+``admin``. Data-plane routes are listed in :data:`RULES`; any other route is admin-only until it is classified
+there, and a request that matches no route at all gets the strictest answer: admin, and refused to a token limited
+to namespaces (deny by default). The route is found on the path the router itself matches, ``scope["path"]`` less
+``scope["root_path"]`` (a mount point, ``--root-path``, a proxy's prefix), so no prefix can make a request look like
+another route to auth than to the router. The namespaces a request touches come from the matched route's path
+parameters (``path``: a block or config key, ``namespace``) and, for ``POST /v1/lookup``, from every key of the
+body. A token limited to namespaces may touch only those; a route that touches no particular namespace is refused to
+it.
 
 Who the caller is comes from :mod:`app.api.middleware.principals` (bearer tokens) and
 :mod:`app.api.middleware.cert_identity` (client certificates).
@@ -12,7 +16,6 @@ Who the caller is comes from :mod:`app.api.middleware.principals` (bearer tokens
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from dataclasses import dataclass
@@ -24,11 +27,14 @@ from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api.errors import response_for
-from app.api.middleware.cert_identity import CertPrincipals, peer_cert
-from app.api.middleware.principals import Principal, Role, TokenTable, load_tokens, principal_of
+from app.api.middleware.cert_identity import peer_cert
+from app.api.middleware.limits import BodyGuard, BodyLimits
+from app.api.middleware.principals import Principal, Principals, Role, principal_of
 from app.config import Settings
-from app.errors import Forbidden, PayloadTooLarge, Unauthorized
+from app.errors import Forbidden, KVGateError, Unauthorized
+from contract import wire
 from contract.keys import MAX_KEY_LEN, InvalidKey, parse_block_key, parse_config_key
+from contract.wire import WireError
 
 log = logging.getLogger("kvgate.auth")
 
@@ -61,9 +67,9 @@ def template_of(path: str) -> str:
 
 
 def required_role(method: str, template: str | None, *, metrics_public: bool) -> Role | None:
-    """The role a request needs; None: open to anyone. ``template`` None: no route matched (a 404 follows)."""
+    """The role a request needs; None: open to anyone. ``template`` None: no route matched: the strictest."""
     if template is None:
-        return Role.read
+        return Role.admin
     if template in OPEN_PATHS or (template == "/metrics" and metrics_public):
         return None
     return RULES.get((method.upper(), template), Role.admin)
@@ -89,15 +95,24 @@ def _path_namespaces(params: dict[str, Any]) -> list[str | None] | None:
 
 
 def _body_namespaces(body: bytes) -> list[str | None] | None:
-    """Namespaces of a JSON ``{"keys": [...]}`` body; None: not that shape (the route rejects it itself)."""
-    try:
-        doc = json.loads(body)
-    except ValueError:
-        return None
+    """Namespaces of a JSON ``{"keys": [...]}`` body; None: not that shape. MalformedBody when it is not JSON, or
+    nested deeper than any lookup is (contract.wire.parse_json)."""
+    doc = wire.parse_json(body)
     keys = doc.get("keys") if isinstance(doc, dict) else None
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
         return None
     return [namespace_of_key(k) for k in keys]
+
+
+def route_path(scope: Scope) -> str:
+    """The path the router matches: ``scope["path"]`` less ``scope["root_path"]`` where it starts with it (ASGI puts
+    a mount point or proxy prefix in both), as Starlette's router strips it."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if not root or not path.startswith(root):
+        return path
+    rest = path[len(root) :]
+    return rest if rest.startswith("/") else path if rest else ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,23 +148,23 @@ def route_table(app: Any) -> list[RouteShape]:
     return shapes
 
 
-def _bearer(scope: Scope) -> str | None:
+def _authorization(scope: Scope) -> str | None:
     for name, value in scope["headers"]:
         if name == b"authorization":
-            scheme, _, token = value.decode("latin-1").partition(" ")
-            return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+            return bytes(value).decode("latin-1")
     return None
 
 
 class AuthMiddleware:
-    """Authenticate and authorize every HTTP request before any route runs (and before a body is read)."""
+    """Authenticate and authorize every HTTP request before any route runs (and before a body is read); any other
+    kind of connection (a websocket) is refused."""
 
-    def __init__(self, app: ASGIApp, *, tokens: TokenTable, certs: CertPrincipals, settings: Settings) -> None:
+    def __init__(self, app: ASGIApp, *, principals: Principals, settings: Settings) -> None:
         self.app = app
-        self.tokens = tokens
-        self.certs = certs
+        self.principals = principals
         self.metrics_public = settings.metrics_public
         self.max_body = settings.max_lookup_keys * (MAX_KEY_LEN + 8) + 4096
+        self.body_limits = BodyLimits.of(settings)
         self._routes: list[RouteShape] | None = None
 
     def _route(self, scope: Scope) -> tuple[str | None, dict[str, Any]]:
@@ -157,7 +172,7 @@ class AuthMiddleware:
         if self._routes is None:
             self._routes = route_table(scope["app"])
         partial: tuple[str | None, dict[str, Any]] | None = None
-        path = scope["path"]
+        path = route_path(scope)
         for route in self._routes:
             m = route.regex.match(path)
             if m is None:
@@ -170,8 +185,11 @@ class AuthMiddleware:
         return partial or (None, {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] == "lifespan":
             await self.app(scope, receive, send)
+            return
+        if scope["type"] != "http":
+            await send({"type": "websocket.close", "code": 1008})  # policy violation: no such route is served
             return
         method = scope["method"].upper()
         template, params = self._route(scope)
@@ -179,31 +197,30 @@ class AuthMiddleware:
         if need is None:
             await self.app(scope, receive, send)
             return
-        token = _bearer(scope)
-        if token is not None:
-            principal, reason = self.tokens.authenticate(token), "the bearer token is not valid"
-        else:
-            principal, reason = self._cert_principal(scope)
+        principal, reason = self._principal(scope)
         if principal is None:
             await response_for(Unauthorized(reason))(scope, receive, send)
             return
         if principal.role < need:
             await self._deny(scope, receive, send, principal, f"needs the {need.name} role")
             return
-        if principal.namespaces is None or template is None:
+        if principal.namespaces is None:
             await self.app(scope, receive, send)
             return
         touched = _path_namespaces(params)
-        if (method, template) in BODY_KEYS_ROUTES:
+        if template is not None and (method, template) in BODY_KEYS_ROUTES:
+            # read through the same guard as every body (rate, pauses, size), then handed on as it came
+            guard = BodyGuard(scope, receive, send, limits=self.body_limits, max_bytes=self.max_body)
             try:
-                body = await _read_body(receive, limit=self.max_body)
-            except PayloadTooLarge as exc:
-                await response_for(exc)(scope, receive, send)
+                body = await _read_body(guard.receive)
+                touched = _body_namespaces(body)
+            except (KVGateError, WireError) as exc:
+                if guard.failure is None:
+                    await response_for(exc)(scope, receive, send)
                 return
             receive = _replay(body, receive)
-            touched = _body_namespaces(body) or []
         if touched is None:
-            await self._deny(scope, receive, send, principal, "is not limited to a namespace")
+            await self._deny(scope, receive, send, principal, "names no namespace it may touch")
             return
         for ns in touched:
             if ns is None or ns not in principal.namespaces:
@@ -211,28 +228,30 @@ class AuthMiddleware:
                 return
         await self.app(scope, receive, send)
 
-    def _cert_principal(self, scope: Scope) -> tuple[Principal | None, str]:
-        """The principal the connection's verified client certificate names (a bearer token takes precedence)."""
-        spec, reason = self.certs.authenticate(peer_cert(scope))
+    def _principal(self, scope: Scope) -> tuple[Principal | None, str]:
+        """Who the request is: a bearer token's principal, else the verified client certificate's."""
+        table = self.principals.table  # one reading: a reload in between changes nothing for this request
+        header = _authorization(scope) or ""
+        scheme, _, rest = header.partition(" ")
+        if scheme.lower() == "bearer" and rest.strip():
+            token = wire.parse_bearer(header)  # None unless RFC 6750's ASCII grammar: no principal
+            return (table.tokens.authenticate(token) if token is not None else None), "the bearer token is not valid"
+        spec, reason = table.certs.authenticate(peer_cert(scope))
         return (principal_of(spec) if spec is not None else None), reason
 
     async def _deny(self, scope: Scope, receive: Receive, send: Send, who: Principal, why: str) -> None:
-        log.info("forbidden principal=%s method=%s path=%s: %s", who.name, scope["method"], scope["path"][:200], why)
+        path = route_path(scope)[:200]
+        log.info("forbidden principal=%s method=%s path=%s: %s", who.name, scope["method"], path, why)
         await response_for(Forbidden(f"{who.name!r} may not do this: the request {why}"))(scope, receive, send)
 
 
-async def _read_body(receive: Receive, *, limit: int) -> bytes:
+async def _read_body(receive: Receive) -> bytes:
     chunks: list[bytes] = []
-    size = 0
     while True:
         message = await receive()
         if message["type"] != "http.request":
             break
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body over {limit} bytes")
-        chunks.append(chunk)
+        chunks.append(message.get("body", b""))
         if not message.get("more_body", False):
             break
     return b"".join(chunks)
@@ -251,10 +270,9 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-def install(app: FastAPI, settings: Settings) -> None:
-    """Enforce tokens when any are configured (else auth is off: ``kvgate serve`` allows that on loopback only)."""
-    specs = load_tokens(settings)
-    if specs:
-        app.add_middleware(AuthMiddleware, tokens=TokenTable(specs), certs=CertPrincipals(specs), settings=settings)
+def install(app: FastAPI, principals: Principals | None, settings: Settings) -> None:
+    """Enforce the principals (None: auth is off, which ``kvgate serve`` allows on loopback only)."""
+    if principals is not None:
+        app.add_middleware(AuthMiddleware, principals=principals, settings=settings)
     else:
         log.warning("no tokens configured: authentication is off (loopback only)")

@@ -3,8 +3,8 @@
 - :class:`LimitsMiddleware` (ASGI): PUTs of blocks past ``max_uploads_in_flight`` get 429 at once (never queued);
   other bodies past ``max_json_body_bytes`` get 413; every body is read through a :class:`BodyGuard` that answers
   408 when it trickles in slower than ``body_min_rate_bytes_s`` (after ``body_grace_s``) or pauses longer than
-  ``body_idle_timeout_s``. The guard raises inside the handler's read, so the store drops its temp file and
-  nothing is published.
+  ``body_idle_timeout_s``, counting only the time spent waiting for the client (never the gateway's own). The guard
+  raises inside the handler's read, so the store drops its temp file and nothing is published.
 
 The request head's bounds (size, time) are the server's: :mod:`app.api.server.head_limits`.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import anyio
 from fastapi import FastAPI
@@ -21,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.api.errors import response_for
 from app.config import Settings
 from app.errors import KVGateError, PayloadTooLarge, RequestTimeout, TooManyRequests
+from contract import wire
 
 log = logging.getLogger("kvgate.limits")
 
@@ -36,35 +38,49 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 
 def _declared_length(scope: Scope) -> int | None:
     raw = _header(scope, b"content-length")
-    return int(raw) if raw is not None and raw.isdigit() else None
+    if raw is None:
+        return None
+    try:
+        return wire.parse_uint(raw.decode("latin-1"), what="Content-Length")
+    except wire.MalformedHeader:
+        return None  # the server's parser refuses it first; the body's size is bounded by the guard anyway
+
+
+@dataclass(frozen=True, slots=True)
+class BodyLimits:
+    min_rate: float
+    """Bytes a second a client must send, on average, once ``grace_s`` of its own time is spent."""
+    grace_s: float
+    idle_s: float
+    """Longest pause inside a body."""
+
+    @classmethod
+    def of(cls, settings: Settings) -> BodyLimits:
+        return cls(
+            min_rate=settings.body_min_rate_bytes_s, grace_s=settings.body_grace_s, idle_s=settings.body_idle_timeout_s
+        )
 
 
 class BodyGuard:
     """The ``receive`` a handler reads its body through: minimum rate, longest pause, optional size bound.
 
-    On a breach it sends the error response itself (``Connection: close``), then raises the error into the
-    handler's read; whatever the handler answers afterwards is dropped by :meth:`send`.
+    The clock is the client's: only the time spent waiting here for its bytes counts, from the handler's first
+    read on. Time the gateway spends before it asks for the body (admission, index reads, a lock) or between two
+    reads (writing what came) is its own, and never makes a client too slow. On a breach it sends the error
+    response itself (``Connection: close``), then raises the error into the handler's read; whatever the handler
+    answers afterwards is dropped by :meth:`send`.
     """
 
     def __init__(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        *,
-        min_rate: float,
-        grace_s: float,
-        idle_s: float,
-        max_bytes: int | None,
+        self, scope: Scope, receive: Receive, send: Send, *, limits: BodyLimits, max_bytes: int | None
     ) -> None:
         self._scope = scope
         self._receive = receive
         self._send = send
-        self._min_rate = min_rate
-        self._grace = grace_s
-        self._idle = idle_s
+        self._limits = limits
         self._max = max_bytes
-        self._start = time.monotonic()
+        self._waited = 0.0
+        """Seconds spent waiting for the client's bytes (in :meth:`receive`)."""
         self._received = 0
         self._done = False
         self.failure: KVGateError | None = None
@@ -72,16 +88,18 @@ class BodyGuard:
     async def receive(self) -> Message:
         if self._done or self.failure is not None:
             return await self._receive()
-        now = time.monotonic()
-        deadline = min(now + self._idle, self._start + self._grace + self._received / self._min_rate)
+        lim = self._limits
+        allowed = min(lim.idle_s, lim.grace_s + self._received / lim.min_rate - self._waited)
+        began = time.monotonic()
         try:
-            with anyio.fail_after(max(deadline - now, 0.0)):
+            with anyio.fail_after(max(allowed, 0.0)):
                 message = await self._receive()
         except TimeoutError:
-            elapsed = time.monotonic() - self._start
+            self._waited += time.monotonic() - began
             raise await self._fail(
-                RequestTimeout(f"request body too slow: {self._received} bytes in {elapsed:.1f}s")
+                RequestTimeout(f"request body too slow: {self._received} bytes in {self._waited:.1f}s of waiting")
             ) from None
+        self._waited += time.monotonic() - began
         if message["type"] != "http.request":
             self._done = True
             return message
@@ -110,9 +128,7 @@ class LimitsMiddleware:
         self.app = app
         self.max_uploads = settings.max_uploads_in_flight
         self.max_json = settings.max_json_body_bytes
-        self.min_rate = settings.body_min_rate_bytes_s
-        self.grace_s = settings.body_grace_s
-        self.idle_s = settings.body_idle_timeout_s
+        self.body_limits = BodyLimits.of(settings)
         self.uploads = 0
         """Block PUTs in flight (one event loop: a plain counter)."""
 
@@ -129,15 +145,7 @@ class LimitsMiddleware:
             exc = TooManyRequests(f"{self.uploads} uploads in flight: the gateway takes at most {self.max_uploads}")
             await response_for(exc)(scope, receive, send)
             return
-        guard = BodyGuard(
-            scope,
-            receive,
-            send,
-            min_rate=self.min_rate,
-            grace_s=self.grace_s,
-            idle_s=self.idle_s,
-            max_bytes=None if is_upload else self.max_json,
-        )
+        guard = BodyGuard(scope, receive, send, limits=self.body_limits, max_bytes=None if is_upload else self.max_json)
         if is_upload:
             self.uploads += 1
         try:

@@ -1,7 +1,10 @@
 """Who may call: principals (role and namespace scope), the bearer-token table, and the tokens file.
 
 A principal is named by a bearer token (kept as its sha256 digest, compared with :func:`hmac.compare_digest`
-against every entry) or by a client certificate (:mod:`app.api.middleware.cert_identity`).
+against every entry) or by a client certificate (:mod:`app.api.middleware.cert_identity`). :class:`Principals`
+holds the table auth checks against; it is rebuilt from the settings and the tokens file on SIGHUP and when the
+file changes (a principal taken out of the file is refused from the next request on; a file that does not load
+keeps the table in use).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 
 from app.api.middleware.cert_identity import CertPrincipals
+from app.api.reloading import Reloader
 from app.config import Settings, TokenSpec
 from contract.keys import InvalidKey, parse_namespace
 
@@ -100,3 +104,32 @@ def load_tokens(settings: Settings) -> list[TokenSpec]:
             except InvalidKey as exc:
                 raise ValueError(f"token {spec.name!r}: {exc}") from exc
     return specs
+
+
+@dataclass(frozen=True, slots=True)
+class PrincipalTable:
+    """Bearer tokens and certificate names -> principals, built from one reading of the settings and file."""
+
+    tokens: TokenTable
+    certs: CertPrincipals
+
+    @classmethod
+    def of(cls, specs: list[TokenSpec]) -> PrincipalTable:
+        return cls(tokens=TokenTable(specs), certs=CertPrincipals(specs))
+
+
+class Principals(Reloader[PrincipalTable]):
+    """The principal table in use (``table``), kept in step with the tokens file."""
+
+    what = "tokens file"
+
+    def __init__(self, *, settings: Settings) -> None:
+        super().__init__(files=(settings.tokens_file,), interval_s=settings.tokens_reload_interval_s)
+        self.settings = settings
+        self.table = self.load()
+
+    def load(self) -> PrincipalTable:
+        return PrincipalTable.of(load_tokens(self.settings))
+
+    def install(self, value: PrincipalTable) -> None:
+        self.table = value

@@ -1,6 +1,7 @@
 """The server ``kvgate serve`` runs, assembled from Settings: uvicorn on uvloop with the httptools protocol made
 bounded (:mod:`app.api.server.head_limits`) and zero-copy (:mod:`app.api.server.http_body`), the peer certificate
-in the scope when client certificates are on, the TLS context and its reloader (SIGHUP, file watch).
+in the scope when client certificates are on, and the reloaders of the TLS files and the tokens file (SIGHUP, file
+watch).
 
 :func:`build_server` is the one place this is put together; ``kvgate serve`` runs what it returns, and a test can
 run the same thing on a loopback port in its own thread (:meth:`GatewayServer.serve`).
@@ -12,15 +13,18 @@ import asyncio
 import contextlib
 import signal
 from dataclasses import dataclass, field
+from typing import Any
 
 import uvicorn
 from starlette.types import ASGIApp
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from app.api.middleware.principals import Principals
+from app.api.reloading import Reloader
 from app.api.server.bind import bind_warnings, check_bind
 from app.api.server.head_limits import bounded_httptools
 from app.api.server.http_body import zero_copy_body
-from app.api.server.tls import CertReloader, server_context, with_peer_cert
+from app.api.server.tls import TlsContexts, with_peer_cert
 from app.config import Settings
 
 
@@ -35,31 +39,37 @@ def http_protocol(settings: Settings) -> type[HttpToolsProtocol]:
 
 @dataclass
 class GatewayServer:
-    """A uvicorn server ready to run, with the certificate reloader beside it (None without TLS)."""
+    """A uvicorn server ready to run, with the reloaders of the files it serves by (TLS files, tokens file)."""
 
     server: uvicorn.Server
-    reloader: CertReloader | None
+    reloaders: list[Reloader[Any]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     """What the start-up rules warn about (printed by ``kvgate serve``)."""
 
     async def serve(self) -> None:
-        """Serve until told to stop (``server.should_exit``, or SIGINT/SIGTERM in the main thread)."""
-        watcher: asyncio.Task[None] | None = None
-        reloader = self.reloader
-        if reloader is not None:
-            loop = asyncio.get_running_loop()
+        """Serve until told to stop (``server.should_exit``, or SIGINT/SIGTERM in the main thread); SIGHUP reloads
+        every file, and each reloader with an interval watches its files."""
+        loop = asyncio.get_running_loop()
+        running: set[asyncio.Task[bool]] = set()
+
+        def on_sighup() -> None:
+            for reloader in self.reloaders:
+                task = loop.create_task(reloader.reload(why="SIGHUP"))
+                running.add(task)
+                task.add_done_callback(running.discard)
+
+        if self.reloaders:
             with contextlib.suppress(NotImplementedError, AttributeError, ValueError, RuntimeError):
-                loop.add_signal_handler(signal.SIGHUP, lambda: reloader.reload(why="SIGHUP"))
-            interval = reloader.settings.tls_reload_interval_s
-            if interval > 0:
-                watcher = asyncio.create_task(reloader.watch(interval_s=interval))
+                loop.add_signal_handler(signal.SIGHUP, on_sighup)  # the main thread only
+        watchers = [asyncio.create_task(r.watch()) for r in self.reloaders if r.interval_s > 0]
         try:
             await self.server.serve()
         finally:
-            if watcher is not None:
-                watcher.cancel()
+            for task in watchers:
+                task.cancel()
+            for task in watchers:
                 with contextlib.suppress(asyncio.CancelledError):
-                    await watcher
+                    await task
 
     def run(self) -> bool:
         """Serve on the configured loop (uvloop) until stopped; whether the server started (``uvicorn.run`` exits
@@ -69,16 +79,18 @@ class GatewayServer:
         return bool(self.server.started)
 
 
-def build_server(*, app: ASGIApp, settings: Settings) -> GatewayServer:
-    """The server for ``app`` as ``settings`` describe it; ValueError (with the reason) when the start-up rules
-    refuse the bind or a TLS file cannot be loaded."""
+def build_server(*, app: ASGIApp, settings: Settings, principals: Principals | None) -> GatewayServer:
+    """The server for ``app`` as ``settings`` describe it (``principals``: the table the app's auth checks, reloaded
+    with the TLS files); ValueError (with the reason) when the start-up rules refuse the bind or a TLS file cannot
+    be loaded."""
     check_bind(settings)
     warnings = bind_warnings(settings)
-    context = server_context(settings) if settings.tls_enabled else None
+    tls = TlsContexts(settings=settings) if settings.tls_enabled else None
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
+        root_path=settings.root_path,
         loop="uvloop",
         http=http_protocol(settings),
         h11_max_incomplete_event_size=settings.max_header_bytes,
@@ -86,7 +98,9 @@ def build_server(*, app: ASGIApp, settings: Settings) -> GatewayServer:
         log_level=settings.log_level,
         access_log=False,
         timeout_keep_alive=30,
-        ssl_context_factory=(lambda _config, _default: context) if context is not None else None,
+        ssl_context_factory=(lambda _config, _default: tls.listening) if tls is not None else None,
     )
-    reloader = CertReloader(context=context, settings=settings) if context is not None else None
-    return GatewayServer(server=uvicorn.Server(config), reloader=reloader, warnings=warnings)
+    reloaders: list[Reloader[Any]] = [tls] if tls is not None else []
+    if principals is not None and settings.tokens_file is not None:
+        reloaders.append(principals)
+    return GatewayServer(server=uvicorn.Server(config), reloaders=reloaders, warnings=warnings)

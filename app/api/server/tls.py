@@ -3,13 +3,12 @@ in the request scope.
 
 - :func:`server_context` builds the context uvicorn serves with: certificate chain and key, a minimum version and,
   with ``tls_client_ca``, client certificates (required or optional) verified against that bundle.
-- :class:`CertReloader` re-reads the files into the SAME context (``load_cert_chain`` / ``load_verify_locations``)
-  on SIGHUP or when their stat changes: the listening socket keeps its context, and OpenSSL copies the
-  certificate into each new connection, so the next handshake serves the new certificate while open connections
-  keep theirs. A new pair is first loaded into a throwaway context: a half-written rotation (a certificate whose
-  key is not there yet) is refused with an error in the log, and the old pair stays. A CA bundle re-read adds
-  the new CAs; one that drops a CA takes a restart. A rotation keeps the key type (RSA stays RSA, EC stays EC):
-  OpenSSL keeps one certificate per key type, so a new type would be served next to the old one.
+- :class:`TlsContexts` re-reads the files on SIGHUP or when their stat changes into a NEW context, which serves
+  every connection from the next handshake on (the listening context's SNI callback hands each connection to the
+  newest): the new certificate is served, and a CA taken out of the client-CA bundle is no longer trusted, without
+  a restart; open connections keep theirs. A rotation that does not load whole (a certificate whose key is not
+  there yet) is refused with an error in the log, and the context in use stays as it was: no live context is
+  ever changed in place.
 - :func:`with_peer_cert` (a uvicorn httptools protocol subclass, built for uvicorn 0.55) puts the verified client
   certificate into ``scope["extensions"]["tls"]``, in the shape of the ASGI TLS extension, plus the parsed form
   (``peercert``) that :mod:`app.api.middleware.cert_identity` maps to a principal. uvicorn itself puts no TLS
@@ -20,12 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import ssl
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from app.api.middleware.cert_identity import subject_name
+from app.api.reloading import Reloader
 from app.config import Settings
 
 if TYPE_CHECKING:
@@ -56,7 +54,7 @@ def server_context(settings: Settings) -> ssl.SSLContext:
     ctx = _new_context(settings)
     try:
         _load(ctx, settings)
-    except (OSError, ssl.SSLError) as exc:
+    except OSError as exc:  # ssl.SSLError is one
         files = ", ".join(str(p) for p in (settings.tls_certfile, settings.tls_keyfile, settings.tls_client_ca) if p)
         raise ValueError(f"cannot load the TLS files ({files}): {exc}") from exc
     if settings.tls_client_ca is not None:
@@ -64,53 +62,35 @@ def server_context(settings: Settings) -> ssl.SSLContext:
     return ctx
 
 
-def _stamp(path: Path | None) -> tuple[int, int, int] | None:
-    if path is None:
-        return None
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_mtime_ns, st.st_size, st.st_ino
+class TlsContexts(Reloader[ssl.SSLContext]):
+    """The SSLContext uvicorn listens with (``listening``), and the one each new connection is served with
+    (``current``): a reload builds a whole new context from the files, and the listening one's SNI callback (OpenSSL
+    calls it on every ClientHello, with or without a server name) hands each new connection to the newest. So a
+    rotated certificate is served, and a CA taken out of the client-CA bundle stops being trusted, from the next
+    handshake on; open connections keep what they were made with."""
 
+    what = "TLS files"
 
-class CertReloader:
-    """Keeps ``context`` in step with the certificate files: :meth:`reload` on demand, :meth:`watch` on change."""
-
-    def __init__(self, *, context: ssl.SSLContext, settings: Settings) -> None:
-        self.context = context
+    def __init__(self, *, settings: Settings) -> None:
+        super().__init__(
+            files=(settings.tls_certfile, settings.tls_keyfile, settings.tls_client_ca),
+            interval_s=settings.tls_reload_interval_s,
+        )
         self.settings = settings
-        self.reloads = 0
-        self._files = (settings.tls_certfile, settings.tls_keyfile, settings.tls_client_ca)
-        self._stamps = self._current()
+        self.listening = server_context(settings)
+        self.current = self.listening
+        self.listening.sni_callback = self._hand_over
 
-    def _current(self) -> tuple[tuple[int, int, int] | None, ...]:
-        return tuple(_stamp(p) for p in self._files)
+    def _hand_over(self, conn: ssl.SSLObject | ssl.SSLSocket, _server_name: str | None, _ctx: ssl.SSLContext) -> None:
+        current = self.current
+        if current is not self.listening:
+            conn.context = current
 
-    def reload(self, *, why: str) -> bool:
-        """Load the files again; False (and the old certificate kept) when the new ones do not load."""
-        self._stamps = self._current()
-        try:
-            _load(_new_context(self.settings), self.settings)  # a torn rotation must not reach the live context
-            _load(self.context, self.settings)
-        except (OSError, ssl.SSLError, ValueError) as exc:
-            log.error("TLS files not reloaded (%s), still serving the previous certificate: %s", why, exc)
-            return False
-        self.reloads += 1
-        log.warning("TLS certificate reloaded (%s) from %s", why, self.settings.tls_certfile)
-        return True
+    def load(self) -> ssl.SSLContext:
+        return server_context(self.settings)
 
-    def reload_if_changed(self) -> bool:
-        if self._current() == self._stamps:
-            return False
-        return self.reload(why="files changed")
-
-    async def watch(self, *, interval_s: float) -> None:
-        """Poll the files' stat; reload on the event loop's thread, the one that starts every handshake (an
-        SSL_CTX must not change under a handshake in another thread; reading two PEM files takes well under 1 ms)."""
-        while True:
-            await asyncio.sleep(interval_s)
-            self.reload_if_changed()
+    def install(self, value: ssl.SSLContext) -> None:
+        self.current = value
 
 
 # -- the peer certificate in the scope ----------------------------------------------------------------------------

@@ -40,9 +40,8 @@ def _message(event: str, data: object, *, seq: int | None = None) -> bytes:
 )
 async def events(
     request: Request,
-    since_value: Annotated[
-        str | None,
-        Query(alias="since", pattern=SEQ_PATTERN, description="first sequence number wanted (from the ring)"),
+    since: Annotated[
+        str | None, Query(pattern=SEQ_PATTERN, description="first sequence number wanted (from the ring)")
     ] = None,
     namespace: Annotated[str | None, Query(max_length=512, description="only this namespace's events")] = None,
     last_event_id: Annotated[
@@ -52,16 +51,16 @@ async def events(
     bus: EventBus | None = getattr(request.app.state, "events", None)
     if bus is None:
         raise EventsDisabled("KV events are off (KVGATE_EVENTS_ENABLED=true turns them on)")
-    since = None if since_value is None else wire.parse_uint(since_value, what="since")
-    if since is None and last_event_id is not None:
-        since = wire.parse_uint(last_event_id, what="Last-Event-ID") + 1
+    first = None if since is None else wire.parse_uint(since, what="since")
+    if first is None and last_event_id is not None:
+        first = wire.parse_uint(last_event_id, what="Last-Event-ID") + 1
     if namespace is not None:
         parse_namespace(namespace)  # InvalidKey: a 400
 
     async def stream() -> AsyncIterator[bytes]:
         start = bus.next_seq  # without since: from the hello on (a batch sent while it goes out is replayed)
         yield _message("hello", {"first_seq": bus.first_seq, "next_seq": start})
-        async for item in bus.subscribe(since=start if since is None else since):
+        async for item in bus.subscribe(since=start if first is None else first):
             if isinstance(item, str):
                 if item == "heartbeat":
                     yield b": heartbeat\n\n"

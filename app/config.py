@@ -121,8 +121,9 @@ class Settings(BaseSettings):
     meta_cache_entries: int = Field(default=65536, ge=0, description="block metadata cached in memory")
     meta_cache_ttl_s: float | None = Field(
         default=None,
-        description="seconds a cached HEAD answer is trusted; none: forever with SQLite (one gateway owns the index), "
-        "0 with PostgreSQL (replicas share it)",
+        description="seconds a cached HEAD answer is trusted; none: until the key changes (every process on this "
+        "machine sees every change: the default with SQLite), 0: never cached (the default with PostgreSQL, whose "
+        "replicas on other machines change keys unseen)",
     )
     sqlite_synchronous: Literal["OFF", "NORMAL", "FULL"] = Field(
         default="FULL", description="SQLite durability (FULL: a row survives power loss once the PUT returned)"
@@ -144,13 +145,19 @@ class Settings(BaseSettings):
     namespace_quota_bytes: int | None = Field(
         default=None, gt=0, description="bound on a namespace's bytes; none: unbounded"
     )
-    eviction_interval_s: float = Field(default=5.0, gt=0, description="background eviction check period")
+    eviction_interval_s: float = Field(
+        default=5.0, gt=0, description="background eviction check period (usage is read from the index as often)"
+    )
     eviction_batch: int = Field(default=256, gt=0, description="LRU candidates fetched per eviction round")
-    usage_resync_interval_s: float = Field(default=60.0, gt=0, description="re-read usage from the index")
+    stale_upload_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="a multi-part upload with no new part for this long was abandoned by its writers: dropped",
+    )
     reconcile_on_start: bool = Field(
         default=True,
-        description="reconcile index and store at start-up (several replicas: false, and run `kvgate gc` "
-        "on a schedule)",
+        description="reconcile index and store at start-up (safe beside running gateways, replicas and gc: every "
+        "change is conditional on the version it observed)",
     )
     reconcile_concurrency: int = Field(default=8, gt=0, description="digests computed at once by reconcile")
     metrics_enabled: bool = Field(default=True, description="serve /metrics and count requests")
@@ -262,6 +269,13 @@ class Settings(BaseSettings):
     @property
     def resolved_db_url(self) -> str:
         return self.db_url or f"sqlite+aiosqlite:///{(self.data_dir / 'index.db').resolve()}"
+
+    @property
+    def blocks_root(self) -> Path | None:
+        """The filesystem backend's data root (absolute), or None for another backend."""
+        if not isinstance(self.backend, FsBackend):
+            return None
+        return (self.backend.root or self.data_dir / "blocks").resolve()
 
     @property
     def is_sqlite(self) -> bool:

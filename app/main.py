@@ -25,11 +25,9 @@ from app.api.routes.thin import BlockFastPath
 from app.api.server.runner import GatewayServer, build_server
 from app.backends import Backends, open_backends
 from app.config import Settings
-from app.core.events import EventBus
-from app.core.eviction import Capacity
-from app.core.keystate import MetaCache
+from app.core.assembly import open_core
+from app.core.events import NO_EVENTS, EventBus
 from app.core.reconcile import reconcile
-from app.core.service import BlockService
 
 if TYPE_CHECKING:
     from app.core.events_zmq import ZmqPublisher
@@ -93,38 +91,35 @@ def _app(cfg: Settings, *, principals: Principals | None) -> FastAPI:
 
 @contextlib.asynccontextmanager
 async def _serving(app: FastAPI, *, cfg: Settings, backends: Backends) -> AsyncIterator[None]:
-    """The service over the opened backends, with events, reconcile and capacity; closed in reverse."""
-    svc = BlockService(
-        store=backends.store,
-        index=backends.index,
-        cache=MetaCache(entries=cfg.meta_cache_entries, ttl_s=cfg.meta_cache_ttl_s),
-    )
+    """The core over the opened backends, with events, reconcile and capacity; closed in reverse."""
     bus, publisher = await _start_events(cfg, backends)
-    if bus is not None:
-        svc.events = bus
     app.state.events = bus
-    if cfg.reconcile_on_start:
-        await reconcile(service=svc, concurrency=cfg.reconcile_concurrency)
-    capacity = Capacity(service=svc, settings=cfg)
-    await capacity.start()
-    svc.capacity = capacity
-    app.state.service = svc
-    app.state.capacity = capacity
-    app.state.started_at = time.monotonic()
-    # Everything built so far (modules, FastAPI's routes and models, SQLAlchemy's tables, botocore's service model)
-    # lives as long as the process. Frozen out of the collector's reach, it is no longer walked by a full
-    # collection, during which the event loop stands still: 78 ms -> 0.3 ms fresh, 101 -> 14 ms with the metadata
-    # cache full (python -m benchmarks.gc_pause). Full collections are rare in steady state but come with bursts of
-    # new long-lived objects, such as a filling cache.
-    gc.collect()  # start-up's own cyclic garbage is collected, not frozen with the rest
-    gc.freeze()
-    log.info("kvgate ready backend=%s index=%s", cfg.backend.kind, cfg.resolved_db_url.split("://")[0])
     try:
-        yield
+        async with open_core(backends, settings=cfg, events=bus if bus is not None else NO_EVENTS) as core:
+            if cfg.reconcile_on_start:
+                await reconcile(
+                    upkeep=core.upkeep,
+                    store=core.store,
+                    index=core.index,
+                    concurrency=cfg.reconcile_concurrency,
+                    stale_parts_s=cfg.stale_upload_s,
+                )
+            await core.capacity.start()
+            app.state.core = core
+            app.state.started_at = time.monotonic()
+            # Everything built so far (modules, FastAPI's routes and models, SQLAlchemy's tables, botocore's service
+            # model) lives as long as the process. Frozen out of the collector's reach, it is no longer walked by a
+            # full collection, during which the event loop stands still: 78 ms -> 0.3 ms fresh, 101 -> 14 ms with
+            # the metadata cache full (python -m benchmarks.gc_pause). Full collections are rare in steady state
+            # but come with bursts of new long-lived objects, such as a filling cache.
+            gc.collect()  # start-up's own cyclic garbage is collected, not frozen with the rest
+            gc.freeze()
+            log.info("kvgate ready backend=%s index=%s", cfg.backend.kind, cfg.resolved_db_url.split("://")[0])
+            try:
+                yield
+            finally:
+                gc.unfreeze()  # back to the oldest generation: an app started again in this process freezes anew
     finally:
-        gc.unfreeze()  # back to the oldest generation: an app started again in this process (tests) freezes anew
-        await capacity.close()
-        await svc.close()
         if bus is not None:
             await bus.close()
         if publisher is not None:

@@ -3,7 +3,7 @@
 Part data lives under ``_parts/<key>/...`` (a key the block grammar can never produce: block namespaces never start
 with ``_parts/``), and a row goes to the ``parts`` table, create-only on ``(key, start)``. The object stays
 invisible (no ``blocks`` row: HEAD/GET 404, lookup miss) until the parts cover ``[0, total)``; the PUT that
-completes the cover stages the object, commits it through BlockService (row, then publish), then drops the parts.
+completes the cover stages the object, commits it through its key's Change (row, then publish), then drops the parts.
 Stored part bytes count against capacity until then. Two ways to keep the data:
 
 - **In place** (a store with ``write_at``/``stage_upload``: the filesystem): the parts of one object are written
@@ -14,12 +14,12 @@ Stored part bytes count against capacity until then. Two ways to keep the data:
 - **One object per part** (S3, memory): ``_parts/<key>/<start>-<end>.<uuid>``, written outside any lock (each has
   its own store key); the completing PUT streams them, in order and checked, through a staged version.
 
-Concurrency: the bookkeeping and the assembly run under BlockService's lock of the key. Across gateway replicas
-sharing one index a second assembler produces the same bytes (the concatenation is deterministic), and one
-that finds the parts gone while reading checks that the object was published by the other. A write into an
-upload file after its object was staged (only a replica's, racing outside this process's lock) changes the
-file's mtime, so the row's stamp no longer names it: readers get a version mismatch and repair, never a body under
-another body's digest.
+Concurrency: the bookkeeping and the assembly hold the key (``Versions.change``), which every process of a data
+directory shares, so an upload file is written by one part at a time and assembled once. Across replicas sharing
+PostgreSQL, recording a part holds the key in its transaction (an advisory lock): of the last two parts of an
+object, recorded on two replicas at once, the second to commit sees the first and assembles. A second assembler
+(a writer re-sending a part of a covered object whose assembler died) produces the same bytes; one that finds the
+parts gone while reading checks that the object was published by the other.
 """
 
 from __future__ import annotations
@@ -28,15 +28,14 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterable, AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
 
-from app.core.keystate import KeyLocks
+from app.core.versions import Change, Versions
 from app.errors import BlockNotFound, Conflict, DigestMismatch, InvalidRequest, RangeNotSatisfiable, SizeMismatch
 from app.index import Index, PartRecord
 from app.storage import BlockStore
-from app.storage.base import BodyChecker, Region, Staged, UploadStore
+from app.storage.base import BodyChecker, Region
 from contract import wire
 from contract.keys import BlockKey, InvalidKey, parse_block_key
 from contract.wire import ByteSpan as ByteSpan  # its home before contract.wire
@@ -116,65 +115,46 @@ def covers(parts: list[PartRecord], total: int) -> bool:
     return pos == total
 
 
-class Commit(Protocol):
-    """BlockService's commit of a staged version, called with the key's lock held."""
-
-    async def __call__(self, key: BlockKey, staged: Staged, *, create_only: bool) -> Any: ...
-
-
 class PartAssembler:
-    """Part bookkeeping and assembly; the key's changes are ordered by BlockService's lock of that key."""
+    """Part bookkeeping and assembly; every step that reads and changes a key's parts holds the key
+    (``Versions.change``: across the processes of a machine; across replicas, PostgreSQL holds the key for each
+    part's recording transaction, so the part that completes a cover sees all the others)."""
 
-    def __init__(
-        self,
-        *,
-        store: BlockStore,
-        index: Index,
-        locks: KeyLocks,
-        commit: Commit,
-        usage: Callable[[str, int, int], None],
-    ) -> None:
-        self.store = store
-        self.index = index
-        self._lock = locks
-        self._commit = commit
-        self._usage = usage
-        self._uploads: UploadStore | None = (
-            cast(UploadStore, store) if hasattr(store, "write_at") and hasattr(store, "stage_upload") else None
-        )
-        """The store writes parts in place (see the module docstring); None: one object per part."""
+    def __init__(self, *, store: BlockStore, index: Index, versions: Versions) -> None:
+        self._store = store
+        self._index = index
+        self._versions = versions
 
     async def put_part(
         self, key: BlockKey, body: AsyncIterable[bytes], *, span: ByteSpan, part_digest: str | None
     ) -> PartOutcome:
-        if self._uploads is not None:
+        if self._store.uploads:
             return await self._put_in_place(key, body, span=span, part_digest=part_digest)
         path = key.path
-        existing, parts = await self.index.part_state(path)
+        existing, parts = await self._index.part_state(path)
         if existing is not None:
             return await self._already_complete(path, existing.size, existing.digest, body, span, part_digest)
         _check_against(parts, span, part_digest)  # fail fast, before any byte is kept
         store_key = f"{PARTS_PREFIX}{path}/{span.start}-{span.end}.{uuid.uuid4().hex}"
-        stored = await self.store.put(store_key, body, size=span.size, expected_digest=part_digest)
+        stored = await self._store.put(store_key, body, size=span.size, expected_digest=part_digest)
         keep = False
         try:
-            async with self._lock(path):
-                existing, parts = await self.index.part_state(path)
+            async with self._versions.change(path) as change:
+                existing, parts = await self._index.part_state(path)
                 if existing is not None:  # completed by another writer while our bytes streamed
                     return PartOutcome(path, span, stored.digest, True, False, existing.digest)
-                outcome, keep = await self._record(key, span, stored.digest, store_key, parts)
+                outcome, keep = await self._record(change, key, span, stored.digest, store_key, parts)
                 return outcome
         finally:
             if not keep:
                 with contextlib.suppress(Exception):
-                    await self.store.delete(store_key)
+                    await self._store.delete(store_key)
 
     async def _put_in_place(
         self, key: BlockKey, body: AsyncIterable[bytes], *, span: ByteSpan, part_digest: str | None
     ) -> PartOutcome:
-        """Receive and check the part's body, then, under the key's lock, write it into the object's upload file
+        """Receive and check the part's body, then, holding the key, write it into the object's upload file
         (one index read and one write per part)."""
-        assert self._uploads is not None
         checker = BodyChecker(size=span.size, expected_digest=part_digest)
         pieces: list[bytes] = []
         async for chunk in body:  # a part is a block's 1/tp: held in memory until its range is known to be free
@@ -182,26 +162,26 @@ class PartAssembler:
             pieces.append(chunk)
         digest = checker.finish().digest
         path = key.path
-        async with self._lock(path):
-            existing, parts = await self.index.part_state(path)
+        async with self._versions.change(path) as change:
+            existing, parts = await self._index.part_state(path)
             if existing is not None:  # complete: by an earlier writer, or by another while our bytes arrived
                 return _complete(path, existing.size, existing.digest, span, digest)
             if _check_against(parts, span, digest) is not None:  # the same part again: nothing is written
-                return (await self._record(key, span, digest, "", parts))[0]
+                return (await self._record(change, key, span, digest, "", parts))[0]
             upload = one_upload(parts) if parts else f"{PARTS_PREFIX}{path}{UPLOAD_MARK}{uuid.uuid4().hex}"
             if upload is None:  # parts kept one object each (written before in-place parts): keep to that
                 upload = f"{PARTS_PREFIX}{path}/{span.start}-{span.end}.{uuid.uuid4().hex}"
-                await self.store.put(upload, _replay(pieces), size=span.size, expected_digest=digest)
+                await self._store.put(upload, _replay(pieces), size=span.size, expected_digest=digest)
             else:
-                await self._uploads.write_at(upload, span.start, pieces)
-            outcome, _ = await self._record(key, span, digest, upload, parts)
+                await self._store.write_at(upload, span.start, pieces)
+            outcome, _ = await self._record(change, key, span, digest, upload, parts)
             return outcome
 
     async def _record(
-        self, key: BlockKey, span: ByteSpan, digest: str, store_key: str, parts: list[PartRecord]
+        self, change: Change, key: BlockKey, span: ByteSpan, digest: str, store_key: str, parts: list[PartRecord]
     ) -> tuple[PartOutcome, bool]:
-        """Record the stored part (the caller holds the key's lock and has just read ``parts``, the key's parts)
-        and assemble the object if it is now covered; the outcome, and whether the index now keeps the part."""
+        """Record the stored part (the key is held and ``parts`` were just read) and assemble the object if it is
+        now covered; the outcome, and whether the index now keeps the part."""
         path = key.path
         same = _check_against(parts, span, digest)
         keep = False
@@ -209,15 +189,15 @@ class PartAssembler:
             record = PartRecord(
                 key=path, start=span.start, end=span.end, total=span.total, digest=digest, store_key=store_key
             )
-            recorded = await self.index.add_part(record)
+            recorded = await self._index.add_part(record, namespace=key.namespace)
             if recorded is None:  # another replica recorded this start first
                 raise Conflict(f"a part starting at byte {span.start} was recorded concurrently")
             keep = True
-            self._usage(key.namespace, 0, span.size)
+            self._versions.parts_moved(key.namespace, span.size)
             parts = recorded
         if not covers(parts, span.total):
             return PartOutcome(path, span, digest, False, same is None, None), keep
-        total = await self._assemble(key, parts, span.total)
+        total = await self._assemble(change, key, parts, span.total)
         return PartOutcome(path, span, digest, True, same is None, total), keep
 
     async def _already_complete(
@@ -236,29 +216,29 @@ class PartAssembler:
             checker.update(chunk)
         return _complete(path, size, digest, span, checker.finish().digest)
 
-    async def _assemble(self, key: BlockKey, parts: list[PartRecord], total: int) -> str:
-        """Concatenate the parts into a staged version and commit it (the caller holds the key's lock)."""
+    async def _assemble(self, change: Change, key: BlockKey, parts: list[PartRecord], total: int) -> str:
+        """Concatenate the parts into a staged version and commit it (the key is held)."""
         path = key.path
-        upload = one_upload(parts) if self._uploads is not None else None
+        upload = one_upload(parts) if self._store.uploads else None
         try:
-            if upload is not None and self._uploads is not None:  # the parts become the object: no copy
+            if upload is not None:  # the parts become the object: no copy
                 regions = [Region(p.start, p.end, p.digest) for p in parts]
                 try:
-                    staged = await self._uploads.stage_upload(upload, path, regions, total)
+                    staged = await self._store.stage_upload(upload, path, regions, total)
                 except (DigestMismatch, SizeMismatch) as exc:
                     log.error("upload is corrupt key=%s: %s", path, exc)
                     raise Conflict(f"stored parts are corrupt ({exc}); re-send them") from exc
             else:
-                staged = await self.store.stage(path, self._concat(parts), size=total)
+                staged = await self._store.stage(path, self._concat(parts), size=total)
         except Conflict:  # a stored part is corrupt: drop them all, the writers send them again next time
             await self.drop(path, parts)
             raise
         except BlockNotFound:
-            record = await self.index.get(path)
+            record = await self._index.get(path)
             if record is not None and record.size == total:  # another replica assembled it and dropped the parts
                 return record.digest
             raise
-        await self._commit(key, staged, create_only=False)
+        await change.commit(key, staged)
         await self.drop(path, parts)
         log.info("assembled key=%s parts=%d size=%d", path, len(parts), total)
         return staged.meta.digest
@@ -267,7 +247,7 @@ class PartAssembler:
         for part in parts:
             checker = BodyChecker(size=part.end - part.start, expected_digest=part.digest)
             at = part.start if in_upload(part) else 0
-            async with await self.store.open(part.store_key) as reader:
+            async with await self._store.open(part.store_key) as reader:
                 try:
                     async for chunk in reader.chunks(start=at, end=at + part.end - part.start):
                         checker.update(chunk)
@@ -278,16 +258,17 @@ class PartAssembler:
                     raise Conflict(f"stored part at byte {part.start} is corrupt; re-send it") from exc
 
     async def drop(self, path: str, parts: list[PartRecord] | None = None) -> int:
-        """Forget the parts of ``path`` (rows, then data); how many rows there were."""
-        parts = await self.index.get_parts(path) if parts is None else parts
+        """Forget ``parts`` of ``path`` (all of its parts if None): rows, then data; how many rows went. Only the
+        parts given: one recorded since they were read stays, with its data."""
+        parts = await self._index.get_parts(path) if parts is None else parts
         if not parts:
             return 0
-        removed = await self.index.delete_parts(path)
+        removed = await self._index.delete_parts(path, parts)
         if removed:
             with contextlib.suppress(InvalidKey):
-                self._usage(parse_block_key(path).namespace, 0, -sum(p.end - p.start for p in parts))
+                self._versions.parts_moved(parse_block_key(path).namespace, -sum(p.end - p.start for p in parts))
         stored = {part.store_key for part in parts}  # in place: one upload file holds them all
-        await asyncio.gather(*(self.store.delete(store_key) for store_key in stored), return_exceptions=True)
+        await asyncio.gather(*(self._store.delete(store_key) for store_key in stored), return_exceptions=True)
         return removed
 
 

@@ -1,21 +1,22 @@
-"""Reconcile the index with the store: at start-up (before serving) and from ``kvgate gc``.
+"""Reconcile the index with the store: at start-up and from ``kvgate gc``, beside live gateways if there are any.
 
-- temp files of interrupted writes are removed (filesystem store);
-- a row whose data is gone is dropped; a row whose data is another version than the one it names (found by a
-  stat, not by re-hashing the store) is settled by which is older. Data older than its row is the version before
-  it (a crash between the row and the rename): re-read and recorded. Data newer than its row was changed behind
-  the gateway's back: kept if its bytes are still the row's (a copy, a touch), else removed with its row as
-  corruption (a miss, never bytes the row does not vouch for; BlockService.repair);
-- S3 versions that no row names (a write that never committed, a replaced version) are removed once older than
+A snapshot of the rows and a listing of the store (which can take minutes on a large bucket) only choose the keys
+to look at again; every decision is made afresh by upkeep, holding the key, and commits only if the key is still
+what it read there (see app/core/upkeep.py). So reconcile is safe to run at any time, from any process, while
+gateways write: a key written after the snapshot is either left alone or found as it is now.
+
+- staged data left by crashes: published if a committed row names it (roll forward), else removed;
+- a row whose data is another version than it names, or is missing: settled by ``Upkeep.repair`` (the staged
+  version published; the row's bytes kept under a new stamp; a version this store wrote, recorded; data changed
+  behind the gateway's back, removed with its row; a row without data, dropped);
+- data without a row: adopted (hashed; namespace/rank/group from the key) if still without a row;
+- rows of an earlier release (stamps without version ids): given ids, without reading the data;
+- S3 versions that no row names (a write that never committed, a replaced version): removed once older than
   ``stale_parts_s``;
-- data without a row is adopted: size and digest recomputed (bounded concurrency), namespace/rank/group parsed
-  from the key with contract.keys.parse_block_key; created/last access = the object's mtime, 0 hits;
-- keys that are not block keys: ``<ns>/config.json`` is adopted into the namespaces table if its fields hash to
-  the name; anything else is left alone and logged;
-- incomplete multi-part uploads (``_parts/``) older than ``stale_parts_s`` are dropped (data, then rows), and so
-  is part data that no row describes: a writer that died mid-upload leaks nothing for longer than that.
-
-DB work is batched: one scan of (key, size), one chunked DELETE, chunked executemany upserts.
+- keys that are not block keys: ``<ns>/config.json`` is adopted into the namespaces table if its fields hash to the
+  name; anything else is left alone and logged;
+- incomplete multi-part uploads with no part for ``stale_parts_s`` are dropped (rows, then data), and so is part
+  data that no row describes.
 """
 
 from __future__ import annotations
@@ -24,20 +25,21 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 from app.core.parts import PARTS_PREFIX
-from app.core.service import BlockService
-from app.errors import BlockNotFound
-from app.index import BlockRecord, Index
+from app.core.upkeep import Settled, Upkeep
+from app.core.versions import STAGED_MAX_AGE_S
+from app.index import Index
 from app.storage import BlockStore, ObjectInfo
 from contract.keys import InvalidKey, check_namespace_fields, parse_block_key, parse_config_key
 
 log = logging.getLogger("kvgate.reconcile")
 
 Progress = Callable[[str, int, int], None]
-"""progress(phase, done, total): phases 'scan', 'digest', 'write'."""
+"""progress(phase, done, total): phases 'scan', 'settle' (rows in doubt), 'digest' (data without a row, hashed)."""
 
 
 @dataclass(slots=True)
@@ -45,6 +47,9 @@ class ReconcileReport:
     rows_dropped: int = 0
     adopted: int = 0
     resized: int = 0
+    """Rows whose data was another version than they named (settled one by one)."""
+    rolled_forward: int = 0
+    stamps_upgraded: int = 0
     configs_adopted: int = 0
     temp_removed: int = 0
     stale_uploads_dropped: int = 0
@@ -86,46 +91,38 @@ async def _adopt_config(store: BlockStore, index: Index, key: str, known: set[st
     return True
 
 
-async def _drop_stale_parts(
-    store: BlockStore, index: Index, objects: list[ObjectInfo], *, older_than_s: float, report: ReconcileReport
-) -> None:
-    cutoff = time.time() - older_than_s
-    uploads = await index.parts_summary()
-    described = {store_key for _, keys in uploads.values() for store_key in keys}
-    for key, (oldest, store_keys) in uploads.items():
-        if oldest > cutoff:
-            continue
-        for store_key in store_keys:
-            report.part_objects_removed += int(await store.delete(store_key))
-        await index.delete_parts(key)
-        report.stale_uploads_dropped += 1
-        log.warning("reconcile: dropped incomplete upload key=%s parts=%s", key, len(store_keys))
-    for info in objects:  # data of a part whose row never committed (or was dropped above)
-        if info.key not in described and info.mtime <= cutoff:
-            report.part_objects_removed += int(await store.delete(info.key))
+async def _gather(limit: int, jobs: list[Coroutine[Any, Any, None]]) -> None:
+    sem = asyncio.Semaphore(limit)
+
+    async def one(job: Coroutine[Any, Any, None]) -> None:
+        async with sem:
+            await job
+
+    await asyncio.gather(*(one(j) for j in jobs))
 
 
 async def reconcile(
     *,
-    service: BlockService,
+    upkeep: Upkeep,
+    store: BlockStore,
+    index: Index,
     concurrency: int = 8,
-    temp_older_than_s: float = 0.0,
     stale_parts_s: float = 3600.0,
     progress: Progress | None = None,
 ) -> ReconcileReport:
-    """Make the index agree with the store; returns what changed. Safe to run again at any time."""
+    """Make the index agree with the store; returns what changed. Safe to run again, and beside live gateways."""
     began = time.monotonic()
-    store, index = service.store, service.index
     report = ReconcileReport()
     note = progress or (lambda _phase, _done, _total: None)
-    remove_temp = getattr(store, "remove_temp_files", None)
-    if remove_temp is not None:
-        report.temp_removed = int(await remove_temp(older_than_s=temp_older_than_s))
-    versioned = bool(getattr(store, "versioned", False))
+
+    for leftover in await store.leftovers():
+        outcome = await upkeep.settle_leftover(leftover)
+        report.temp_removed += outcome == "dropped"
+        report.rolled_forward += outcome == "rolled"
 
     rows = await index.block_versions()
-    current: dict[str, ObjectInfo] = {}  # the object each key's reader would open
-    extra: list[ObjectInfo] = []  # versions no row names (S3): a write that never committed, or one replaced
+    listed: dict[str, ObjectInfo] = {}  # the object each key's reader would open (a versioned store: the row's)
+    extra: list[ObjectInfo] = []  # versions no row named when listed (S3): uncommitted, or replaced
     others: list[str] = []
     part_objects: list[ObjectInfo] = []
     async for info in store.list():
@@ -138,87 +135,58 @@ async def reconcile(
         except InvalidKey:
             others.append(info.key)
             continue
-        if not versioned:
-            current[info.key] = info
-        elif info.stamp is not None and info.stamp != rows.get(info.key, (0, None))[1]:
+        row = rows.get(info.key)
+        if store.versioned and info.stamp != (row[1] if row else None) and not (row is None and info.stamp is None):
             extra.append(info)
-        elif info.stamp is None and info.key in rows and rows[info.key][1] is not None:
-            extra.append(info)  # an unversioned object superseded by a version
         else:
-            current[info.key] = info
-    note("scan", len(current), len(current))
+            listed[info.key] = info
+    note("scan", len(listed), len(listed))
 
-    missing = [k for k in rows if k not in current]
-    report.rows_dropped = await service.forget(missing)
-    todo: list[ObjectInfo] = []
-    doubtful: list[str] = []
-    legacy: dict[str, str] = {}
-    written_before = getattr(store, "written_before", None)
-    for key, info in current.items():
-        row = rows.get(key)
-        if row is None:
-            todo.append(info)  # data without a row: adopt
-        elif row[1] is None and row[0] == info.size:
-            if info.stamp is not None:
-                legacy[key] = info.stamp  # a row from before 0003: trusted as before, now stamped
-        elif row != (info.size, info.stamp):
-            report.resized += 1
-            if info.stamp is not None and written_before is not None and written_before(info.stamp, row[1]):
-                todo.append(info)  # the version before the row's: a crash between the row and the rename
-            else:
-                doubtful.append(key)  # changed behind our back: the row's bytes, or corruption
-    await index.set_stamps(legacy)
+    doubtful = [k for k, (size, stamp) in rows.items() if k not in listed or (size, stamp) != _seen(listed[k])]
+    legacy = [k for k, (_, stamp) in rows.items() if k in listed and _seen(listed[k]) == rows[k]]
+    legacy = [k for k in legacy if not store.issued(rows[k][1]) and rows[k][1] is not None]
+    orphans = [k for k in listed if k not in rows]
+    report.resized = sum(1 for k in doubtful if k in listed)
 
-    sem = asyncio.Semaphore(concurrency)
-
-    async def verify(key: str) -> None:
-        async with sem:
-            if not await service.repair(parse_block_key(key)):
-                report.corrupt_removed += 1
-
-    await asyncio.gather(*(verify(k) for k in doubtful))
     done = 0
-    records: list[BlockRecord] = []
 
-    async def adopt(info: ObjectInfo) -> None:
+    async def settle(key: str) -> None:
         nonlocal done
-        async with sem:
-            try:
-                meta = await store.digest(info.key)
-            except BlockNotFound:
-                meta = None  # removed while we walked
+        outcome = await upkeep.repair(parse_block_key(key))
+        report.corrupt_removed += outcome is Settled.CORRUPT
+        report.rows_dropped += outcome is Settled.DROPPED
+        report.rolled_forward += outcome is Settled.ROLLED
         done += 1
-        if done % 256 == 0 or done == len(todo):
-            note("digest", done, len(todo))
-        if meta is None:
-            return
-        key = parse_block_key(info.key)
-        records.append(
-            BlockRecord(
-                key=info.key,
-                namespace=key.namespace,
-                rank=key.rank,
-                group=key.group,
-                size=meta.size,
-                digest=meta.digest,
-                created_at=info.mtime,
-                last_access=info.mtime,
-                hits=0,
-                stamp=meta.stamp,
-            )
-        )
+        note("settle", done, len(doubtful))
 
-    note("digest", 0, len(todo))
-    await asyncio.gather(*(adopt(info) for info in todo))
-    note("write", 0, len(records))
-    await service.adopt_records(records)
-    note("write", len(records), len(records))
-    report.adopted = len(records) - (report.resized - len(doubtful))
+    await _gather(concurrency, [settle(k) for k in doubtful])
+
+    async def upgrade(key: str) -> None:
+        stamp = rows[key][1]
+        if stamp is not None and await upkeep.upgrade_stamp(parse_block_key(key), stamp=stamp):
+            report.stamps_upgraded += 1
+
+    await _gather(concurrency, [upgrade(k) for k in legacy])
+
+    adopted = 0
+
+    async def adopt(key: str) -> None:
+        nonlocal adopted
+        before = await index.get(key)
+        meta = await upkeep.adopt(parse_block_key(key))
+        if meta is not None and before is None:
+            report.adopted += 1
+        adopted += 1
+        if adopted % 256 == 0 or adopted == len(orphans):
+            note("digest", adopted, len(orphans))
+
+    note("digest", 0, len(orphans))
+    await _gather(concurrency, [adopt(k) for k in orphans])
 
     cutoff = time.time() - stale_parts_s
+    unnamed_cutoff = min(cutoff, time.time() - 2 * STAGED_MAX_AGE_S)  # older than any commit can still name
     for info in extra:  # uncommitted or replaced versions, once no writer can still be committing them
-        if info.mtime <= cutoff:
-            await store.remove(info.key, stamp=info.stamp)
+        if info.mtime <= unnamed_cutoff and await upkeep.retire_unnamed(info.key, stamp=info.stamp):
             report.stale_versions_removed += 1
 
     known = set(await index.namespace_names())
@@ -230,20 +198,23 @@ async def reconcile(
             report.left_alone.append(key)
             log.warning("reconcile: left alone key=%s (neither a block nor a valid namespace config)", key)
 
-    await _drop_stale_parts(store, index, part_objects, older_than_s=stale_parts_s, report=report)
-    remove_dirs = getattr(store, "remove_empty_dirs", None)
-    if remove_dirs is not None:  # uploads of earlier versions had a directory each under _parts/
-        report.part_dirs_removed = int(await remove_dirs(PARTS_PREFIX, older_than_s=stale_parts_s))
+    report.stale_uploads_dropped = await upkeep.drop_idle_uploads(idle_s=stale_parts_s)
+    described = {p.store_key for u in await index.uploads() for p in await index.get_parts(u.key)}
+    for info in part_objects:  # data of a part whose row never committed (or was dropped above)
+        if info.key not in described and info.mtime <= cutoff:
+            report.part_objects_removed += int(await store.delete(info.key))
+    report.part_dirs_removed = await store.remove_empty_dirs(PARTS_PREFIX, older_than_s=stale_parts_s)
 
     usage = await index.namespace_usage()
     report.blocks = sum(u.blocks for u in usage)
     report.bytes = sum(u.bytes for u in usage)
     report.seconds = time.monotonic() - began
     log.info(
-        "reconcile dropped=%s adopted=%s in_doubt=%s configs=%s temp=%s blocks=%s bytes=%s in %.2fs",
+        "reconcile dropped=%s adopted=%s in_doubt=%s rolled_forward=%s configs=%s temp=%s blocks=%s bytes=%s in %.2fs",
         report.rows_dropped,
         report.adopted,
         report.resized,
+        report.rolled_forward,
         report.configs_adopted,
         report.temp_removed,
         report.blocks,
@@ -251,3 +222,7 @@ async def reconcile(
         report.seconds,
     )
     return report
+
+
+def _seen(info: ObjectInfo) -> tuple[int, str | None]:
+    return info.size, info.stamp

@@ -1,49 +1,33 @@
-"""BlockService: the one owner of each key's life. Every change of a key (PUT, part assembly, DELETE, eviction,
-purge, import, repair) is made here, under that key's lock, in one order:
-
-1. the new version is written in full and checked, invisible (``store.stage``: a temp file, a new S3 object);
-2. under the key's lock, one index transaction swaps the row to the new version (reading the row it replaces,
-   and refusing a create-only PUT of a present key): this is the write's point in the key's history;
-3. the store publishes that version (the filesystem's rename; nothing on S3, where the row names the object),
-   then the cache and the usage figures follow. If 3 fails the row is put back and the staged bytes dropped.
-
-Removal is the same in reverse: the row goes first (only if it still names the version chosen), then the data.
-
-Why it holds: a row names its version by a stamp (the file's inode and mtime, or the S3 object's own name), and a
-reader opens only the version its row names, so a body is always served with the ETag of its own row; and since a
-key's row changes only under its lock, in commit order, and a failed change is undone before the lock is released,
-the rows of a key are one linear history of acknowledged writes. After a crash between 2 and 3, the file's stamp
-differs from its row's: reconcile finds those keys by a stat (no re-hashing of the whole store) and re-reads them.
-"""
+"""BlockService: the request operations (put, put_part, open, head, delete, lookup, namespace configs), each a
+short story told with the pieces that own their parts: ``Versions`` (a key's life under its lock,
+app/core/versions.py), ``PartAssembler`` (multi-part objects), the admission hook of capacity, and the index's
+read paths. It keeps no state of its own beyond counters and a small cache of namespace layouts."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import time
 from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from app.core.events import NO_EVENTS, EventSink
-from app.core.keystate import BlockMeta, KeyLocks, MetaCache
+from app.core.keystate import BlockMeta
 from app.core.parts import ByteSpan, PartAssembler, PartOutcome
 from app.core.reads import OpenBlock
-from app.core.removal import Removal
+from app.core.versions import Versions
 from app.errors import (
     BlockNotFound,
     Conflict,
     InvalidRequest,
-    KVGateError,
     LayoutMismatch,
     NamespaceNotFound,
     PreconditionFailed,
     VersionMismatch,
 )
-from app.index import BlockRecord, Index
+from app.index import ABSENT, ANY, Index
 from app.storage import BlockStore
-from app.storage.base import BodyChecker, Staged
+from app.storage.base import BodyChecker
 from contract.keys import (
     BlockKey,
     InvalidKey,
@@ -75,8 +59,8 @@ class Counters:
     misses: int = 0
 
 
-class CapacityHook(Protocol):
-    """Capacity (app/core/eviction.py): admission of writes, and the usage figures every change of a key updates."""
+class Admission(Protocol):
+    """Capacity (app/core/capacity.py): room for a write, or 507."""
 
     async def admit(self, *, namespace: str, size: int, replacing: int, whole: int | None = None) -> None:
         """Reserve room for ``size`` bytes (replacing ``replacing``), evicting if need be, or raise 507."""
@@ -84,8 +68,11 @@ class CapacityHook(Protocol):
     def release(self, *, namespace: str, size: int) -> None:
         """Drop the reservation made by ``admit`` (the write finished, stored or failed)."""
 
-    def changed(self, *, namespace: str, blocks: int, nbytes: int) -> None:
-        """Usage moved by ``blocks`` blocks and ``nbytes`` bytes (a committed change, exact)."""
+
+class Repair(Protocol):
+    """Upkeep's repair of one key (app/core/upkeep.py), for a reader that found no version its row names."""
+
+    async def repair(self, key: BlockKey) -> object: ...
 
 
 def parse_key(path: str) -> BlockKey:
@@ -95,95 +82,27 @@ def parse_key(path: str) -> BlockKey:
         raise InvalidRequest(str(exc)) from exc
 
 
-def _meta(record: BlockRecord) -> BlockMeta:
-    return BlockMeta(key=record.key, size=record.size, digest=record.digest, stamp=record.stamp)
-
-
-class BlockService(Removal):
-    def __init__(self, *, store: BlockStore, index: Index, cache: MetaCache) -> None:
-        self.store = store
-        self.index = index
-        self.cache = cache
-        self.locks = KeyLocks()
-        self.parts = PartAssembler(store=store, index=index, locks=self.locks, commit=self._commit, usage=self._usage)
+class BlockService:
+    def __init__(
+        self,
+        *,
+        versions: Versions,
+        parts: PartAssembler,
+        admission: Admission,
+        repair: Repair,
+        store: BlockStore,
+        index: Index,
+        events: EventSink = NO_EVENTS,
+    ) -> None:
+        self._versions = versions
+        self._events = events
+        self._parts = parts
+        self._admission = admission
+        self._repair = repair
+        self._store = store
+        self._index = index
         self.counters = Counters()
-        self.capacity: CapacityHook | None = None
-        """Set by create_app (app/core/eviction.py)."""
-        self.events: EventSink = NO_EVENTS
-        """Told of each committed change (app/core/events.py); set by create_app."""
-        self.changing = 0
-        """Changes of keys in flight (a usage resync waits for none)."""
-        self._versioned = bool(getattr(store, "versioned", False))
-        """The store keeps each version as its own object (S3): a replaced version is removed after the swap."""
         self._layouts: dict[str, int | None] = {}
-        self._retiring: set[asyncio.Task[None]] = set()
-
-    async def close(self) -> None:
-        """Stop pending deletions of retired versions (objects no row names: reconcile removes them later)."""
-        for task in list(self._retiring):
-            task.cancel()
-        await asyncio.gather(*self._retiring, return_exceptions=True)
-
-    # -- bookkeeping ------------------------------------------------------------------------------------------
-
-    def _usage(self, namespace: str, blocks: int, nbytes: int) -> None:
-        if self.capacity is not None and (blocks or nbytes):
-            self.capacity.changed(namespace=namespace, blocks=blocks, nbytes=nbytes)
-
-    @contextlib.asynccontextmanager
-    async def _changing(self, key: str) -> AsyncIterator[None]:
-        """Hold ``key`` for one change. The cache epoch moves when it starts and again when it ends, so a reader
-        whose index read overlapped the change (it may have read the row before the change committed) never caches
-        what it read, nor does one that read while the key is held (``_row``); the change caches the version it
-        made."""
-        async with self.locks(key):
-            self.changing += 1
-            self.cache.epoch += 1
-            self.cache.drop(key)
-            try:
-                yield
-            finally:
-                self.cache.epoch += 1
-                self.changing -= 1
-
-    async def _row(self, key: str, *, fresh: bool = False) -> BlockMeta | None:
-        meta = None if fresh else self.cache.get(key)
-        if meta is not None:
-            return meta
-        epoch = self.cache.epoch
-        record = await self.index.get(key)
-        if record is None:
-            return None
-        meta = _meta(record)
-        if not self.locks.held(key):  # a change of the key in flight may not have committed yet: do not keep it
-            self.cache.put(meta, read_at_epoch=epoch)
-        return meta
-
-    async def _discard(self, staged: Staged) -> None:
-        try:
-            await self.store.discard(staged)
-        except KVGateError as exc:  # a leftover temp file or object: reconcile sweeps those
-            log.warning("could not drop staged data key=%s: %s", staged.key, exc)
-
-    async def _check_layout(self, key: BlockKey, size: int) -> None:
-        """422 if the namespace's recorded layout gives its blocks another byte size."""
-        if key.namespace not in self._layouts:
-            record = await self.index.get_namespace(key.namespace)
-            expected = record.fields.get("block_bytes") if record is not None else None
-            self._layouts[key.namespace] = expected if isinstance(expected, int) else None
-            if len(self._layouts) > 4096:
-                self._layouts.pop(next(iter(self._layouts)))
-        expected = self._layouts[key.namespace]
-        if expected is not None and size != expected:
-            raise LayoutMismatch(
-                f"namespace {key.namespace!r} records blocks of {expected} bytes (block_bytes); this one has {size}"
-            )
-
-    async def _admit(self, namespace: str, size: int, replacing: int, whole: int | None = None) -> bool:
-        if self.capacity is None:
-            return False
-        await self.capacity.admit(namespace=namespace, size=size, replacing=replacing, whole=whole)
-        return True
 
     # -- writes -----------------------------------------------------------------------------------------------
 
@@ -198,7 +117,7 @@ class BlockService(Removal):
     ) -> PutResult:
         path = key.path
         await self._check_layout(key, size)
-        existing = await self._row(path)
+        existing = await self._versions.read(path)
         if existing is not None and create_only:
             raise PreconditionFailed(f"{path!r} is present (If-None-Match: *)")
         if existing is not None and digest is not None and digest.lower() == existing.digest and size == existing.size:
@@ -207,86 +126,58 @@ class BlockService(Removal):
                 checker.update(chunk)
             checker.finish()
             return PutResult(meta=existing, created=False)
-        admitted = await self._admit(key.namespace, size, existing.size if existing else 0)
+        await self._admission.admit(namespace=key.namespace, size=size, replacing=existing.size if existing else 0)
         try:
-            staged = await self.store.stage(path, body, size=size, expected_digest=digest)
+            staged = await self._store.stage(path, body, size=size, expected_digest=digest)
+
+            async def commit() -> PutResult:
+                async with self._versions.change(path) as change:
+                    done = await change.commit(key, staged, expect=ABSENT if create_only else ANY)
+                if create_only and not done.written:
+                    raise PreconditionFailed(f"{path!r} is present (If-None-Match: *)")
+                return PutResult(meta=done.meta, created=done.old is None and done.written)
+
             # the change runs to its end even if the client goes away: a half-made change is never left behind
-            return await asyncio.shield(self._commit(key, staged, create_only=create_only, lock=True))
+            return await asyncio.shield(commit())
         finally:
-            if admitted and self.capacity is not None:
-                self.capacity.release(namespace=key.namespace, size=size)
-
-    async def _commit(self, key: BlockKey, staged: Staged, *, create_only: bool, lock: bool = False) -> PutResult:
-        """Make ``staged`` the key's version (see the module docstring); ``lock``: take the key's lock here."""
-        if lock:
-            async with self._changing(key.path):
-                return await self._commit_locked(key, staged, create_only=create_only)
-        self.cache.epoch += 1
-        self.cache.drop(key.path)
-        try:
-            return await self._commit_locked(key, staged, create_only=create_only)
-        finally:
-            self.cache.epoch += 1
-
-    async def _commit_locked(self, key: BlockKey, staged: Staged, *, create_only: bool) -> PutResult:
-        path, now = key.path, time.time()
-        record = BlockRecord(
-            key=path,
-            namespace=key.namespace,
-            rank=key.rank,
-            group=key.group,
-            size=staged.meta.size,
-            digest=staged.meta.digest,
-            created_at=now,
-            last_access=now,
-            hits=0,
-            stamp=staged.stamp,
-        )
-        try:
-            swap = await self.index.swap_block(record, create_only=create_only)
-        except BaseException:
-            await self._discard(staged)
-            raise
-        if not swap.written and swap.old is not None:  # create-only on a present key, or the same bytes
-            await self._discard(staged)
-            if create_only:
-                raise PreconditionFailed(f"{path!r} is present (If-None-Match: *)")
-            return PutResult(meta=_meta(swap.old), created=False)
-        try:
-            await self.store.publish(staged)
-        except BaseException:
-            # the row names a version that is not there: put the old row back; a miss or the old bytes, never a lie
-            with contextlib.suppress(KVGateError):
-                await self.index.restore_block(key=path, stamp=staged.stamp, old=swap.old)
-            await self._discard(staged)
-            raise
-        old = swap.old
-        if old is not None and self._versioned and old.stamp != staged.stamp:
-            self._retire(path, old.stamp)
-        meta = _meta(record)
-        self.cache.put(meta)
-        self.events.stored(record)
-        self._usage(key.namespace, 0 if old else 1, record.size - (old.size if old else 0))
-        return PutResult(meta=meta, created=old is None)
+            self._admission.release(namespace=key.namespace, size=size)
 
     async def put_part(
         self, key: BlockKey, body: AsyncIterable[bytes], *, span: ByteSpan, part_digest: str | None, create_only: bool
     ) -> PartOutcome:
         """Store one byte range of a multi-part object; the object is published when the parts cover it."""
         await self._check_layout(key, span.total)
-        if create_only and await self._row(key.path) is not None:
+        if create_only and await self._versions.read(key.path) is not None:
             raise PreconditionFailed(f"{key.path!r} is present (If-None-Match: *)")
-        admitted = await self._admit(key.namespace, span.size, 0, whole=span.total)
+        await self._admission.admit(namespace=key.namespace, size=span.size, replacing=0, whole=span.total)
         try:
-            return await self.parts.put_part(key, body, span=span, part_digest=part_digest)
+            return await self._parts.put_part(key, body, span=span, part_digest=part_digest)
         finally:
-            if admitted and self.capacity is not None:
-                self.capacity.release(namespace=key.namespace, size=span.size)
+            self._admission.release(namespace=key.namespace, size=span.size)
+
+    async def delete(self, key: BlockKey) -> None:
+        """Remove the key's version (row, then data, durably), its incomplete upload, or data no row describes."""
+        path = key.path
+
+        async def run() -> bool:
+            async with self._versions.change(path) as change:
+                old = await change.remove()
+                dropped = await self._parts.drop(path)
+                orphan = False if old is not None else await self._store.delete(path)
+                return old is not None or orphan or dropped > 0
+
+        if not await asyncio.shield(run()):
+            raise BlockNotFound(path)
 
     # -- reads ------------------------------------------------------------------------------------------------
 
+    async def check(self) -> None:
+        """Raise unless the store and the index both answer (readiness)."""
+        await self._store.check()
+        await self._index.check()
+
     async def head(self, key: BlockKey) -> BlockMeta:
-        meta = await self._row(key.path)
+        meta = await self._versions.read(key.path)
         if meta is None:
             self.counters.misses += 1
             raise BlockNotFound(key.path)
@@ -300,22 +191,21 @@ class BlockService(Removal):
             if attempt == OPEN_ATTEMPTS:
                 # no change in flight, and the data is still not the version its row names: repair, then a last look
                 log.warning("stored data is not its row's version key=%s: repairing", path)
-                await self.repair(key)
-            meta = await self._row(path, fresh=attempt > 0)
+                await self._repair.repair(key)
+            meta = await self._versions.read(path, fresh=attempt > 0)
             if meta is None:
                 break
             try:
-                reader = await self.store.open(path, stamp=meta.stamp)
+                reader = await self._store.open(path, stamp=meta.stamp)
             except (VersionMismatch, BlockNotFound):
-                self.cache.drop(path)
-                await self.locks.settle(path)  # a change of this key in flight: read after it
+                await self._versions.settle(path)  # a change of this key in flight: read after it
                 continue
             if reader.size != meta.size:  # a row without a stamp (written before 0003) that no longer fits
                 await reader.aclose()
-                self.cache.drop(path)
+                await self._versions.settle(path)
                 continue
             self.counters.hits += 1
-            self.index.touch(path)
+            self._index.touch(path)
             return OpenBlock(meta, reader)
         self.counters.misses += 1
         raise BlockNotFound(path)
@@ -326,7 +216,7 @@ class BlockService(Removal):
             check_block_paths(paths)
         except InvalidKey as exc:
             raise InvalidRequest(str(exc)) from exc
-        found = await self.index.sizes_many(paths)
+        found = await self._index.sizes_many(paths)
         slots = [found.get(p) for p in paths]
         prefix = 0
         for slot in slots:
@@ -336,6 +226,24 @@ class BlockService(Removal):
         return prefix, slots
 
     # -- namespaces -------------------------------------------------------------------------------------------
+
+    async def _check_layout(self, key: BlockKey, size: int) -> None:
+        """422 if the namespace's recorded layout gives its blocks another byte size."""
+        if key.namespace not in self._layouts:
+            record = await self._index.get_namespace(key.namespace)
+            expected = record.fields.get("block_bytes") if record is not None else None
+            self._layouts[key.namespace] = expected if isinstance(expected, int) else None
+            if len(self._layouts) > 4096:
+                self._layouts.pop(next(iter(self._layouts)))
+        expected = self._layouts[key.namespace]
+        if expected is not None and size != expected:
+            raise LayoutMismatch(
+                f"namespace {key.namespace!r} records blocks of {expected} bytes (block_bytes); this one has {size}"
+            )
+
+    def forget_layout(self, namespace: str) -> None:
+        """A namespace's config was removed (purge): read its layout again next time."""
+        self._layouts.pop(namespace, None)
 
     async def put_config(self, namespace: str, fields: dict[str, Any], raw: bytes) -> bool:
         """Store a namespace's fields (checked against its name); True if new. ``raw`` is stored verbatim."""
@@ -353,17 +261,17 @@ class BlockService(Removal):
             raise Conflict(str(exc)) from exc
         except (TypeError, ValueError) as exc:
             raise InvalidRequest(f"namespace config fields cannot be hashed: {exc}") from exc
-        current = await self.index.get_namespace(namespace)
+        current = await self._index.get_namespace(namespace)
         if current is not None and current.fields != fields:
             raise Conflict(f"namespace {namespace!r} holds other fields")
 
         async def body() -> AsyncIterator[bytes]:
             yield raw
 
-        await self.store.put(config_path(namespace), body(), size=len(raw))
+        await self._store.put(config_path(namespace), body(), size=len(raw))
         self._layouts.pop(namespace, None)
-        created = await self.index.put_namespace(name=namespace, fields=fields)
-        self.events.namespace_config(namespace, fields)  # the model name in the events' topic
+        created = await self._index.put_namespace(name=namespace, fields=fields)
+        self._events.namespace_config(namespace, fields)  # the model name in the events' topic
         return created
 
     async def get_config(self, namespace: str) -> dict[str, Any]:
@@ -371,7 +279,7 @@ class BlockService(Removal):
             parse_namespace(namespace)
         except InvalidKey as exc:
             raise InvalidRequest(str(exc)) from exc
-        record = await self.index.get_namespace(namespace)
+        record = await self._index.get_namespace(namespace)
         if record is None:
             raise NamespaceNotFound(namespace)
         return record.fields

@@ -1,16 +1,31 @@
 """The durable index: SQLAlchemy 2 async over SQLite (WAL) or PostgreSQL, migrated by alembic."""
 
 from app.index.engine import make_engine
-from app.index.records import BlockRecord, Candidate, NamespaceRecord, NamespaceUsage, PartRecord, Swap
+from app.index.records import (
+    ABSENT,
+    ANY,
+    BlockRecord,
+    Candidate,
+    Expect,
+    NamespaceRecord,
+    NamespaceUsage,
+    PartRecord,
+    Swap,
+    Upload,
+)
 from app.index.repository import Index
 
 __all__ = [
+    "ABSENT",
+    "ANY",
     "BlockRecord",
     "Candidate",
+    "Expect",
     "Index",
     "NamespaceRecord",
     "NamespaceUsage",
     "PartRecord",
     "Swap",
+    "Upload",
     "make_engine",
 ]

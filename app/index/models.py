@@ -55,3 +55,23 @@ class Part(Base):
     digest: Mapped[str] = mapped_column(String(64))
     store_key: Mapped[str] = mapped_column(String(640))
     created_at: Mapped[float] = mapped_column(Float)
+    namespace: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    """The object's namespace (capacity counts stored parts per namespace); NULL only for rows older than 0004."""
+
+
+class Usage(Base):
+    """Stored bytes and blocks per namespace: block rows plus the parts of incomplete objects. Kept by triggers
+    on ``blocks`` and ``parts`` (alembic revision 0004), so it moves in the same transaction as every change of a
+    row, whoever makes it (any gateway, replica, ``kvgate gc`` or ``kvgate import``), and is exact at every commit.
+    A namespace's figures are the sum over its slots (PostgreSQL spreads concurrent transactions over 16 slots so
+    that replicas do not queue on one row; SQLite has one writer and uses slot 0).
+
+    A batch migration (table rebuild) of ``blocks`` or ``parts`` on SQLite drops their triggers: it must create
+    them again (``USAGE_TRIGGERS`` in 0004)."""
+
+    __tablename__ = "usage"
+
+    namespace: Mapped[str] = mapped_column(String(256), primary_key=True)
+    slot: Mapped[int] = mapped_column(Integer, primary_key=True, default=0)
+    blocks: Mapped[int] = mapped_column(BigInteger)
+    bytes: Mapped[int] = mapped_column(BigInteger)

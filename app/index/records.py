@@ -2,8 +2,23 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final, Literal
+
+
+class _Expect(enum.Enum):
+    ANY = "any"
+    ABSENT = "absent"
+
+
+ANY: Final = _Expect.ANY
+"""A change that takes the key as it finds it (a PUT overwrites whatever is there)."""
+ABSENT: Final = _Expect.ABSENT
+"""A change that needs the key absent (create-only)."""
+Expect = Literal[_Expect.ANY, _Expect.ABSENT] | str | None
+"""What a change expects of the key's row: ANY, ABSENT, or the stamp of the version it observed (None: a row of an
+earlier release, without a stamp)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,7 +43,7 @@ class Swap:
     old: BlockRecord | None
     """The row before (None: the key was absent)."""
     written: bool
-    """False when nothing changed: create-only on a present key, or the row already held the same bytes."""
+    """False when nothing changed: the row was not what the change expected, or it already held the same bytes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +56,8 @@ class PartRecord:
     total: int
     digest: str
     store_key: str
+    created_at: float = 0.0
+    """When the part was recorded (wall clock)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +82,18 @@ class Candidate:
     size: int
     created_at: float
     stamp: str | None = None
+    last_access: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Upload:
+    """An incomplete multi-part object: its stored parts count against capacity until it completes or is dropped."""
+
+    key: str
+    namespace: str
+    last_part_at: float
+    """When its newest part was recorded (wall clock): an upload idle for long was abandoned by its writers."""
+    bytes: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ import functools
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from sqlalchemy import Connection, String, any_, bindparam, delete, false, func, select, text, update
@@ -25,7 +25,10 @@ from app.index.batch import ReadBatcher
 from app.index.engine import guard
 from app.index.models import Block, Namespace, Part
 from app.index.records import (
+    ABSENT,
+    ANY,
     BlockRecord,
+    Expect,
     NamespaceRecord,
     PartRecord,
     Swap,
@@ -108,18 +111,20 @@ class Index(Scans):
         row = conn.execute(self._get_bound, {"key": key}).first()
         return None if row is None else block_record(row)
 
-    async def swap_block(self, record: BlockRecord, *, create_only: bool) -> Swap:
-        """Make ``record`` the row of its key, in one transaction that reads the row it replaces (the key held).
-
-        Nothing is written when ``create_only`` and a row exists, or when the row already holds the same bytes
-        (same digest and size): ``Swap.written`` says which, ``Swap.old`` is the row found.
-        """
+    async def swap_block(self, record: BlockRecord, *, expect: Expect = ANY) -> Swap:
+        """Make ``record`` the row of its key, in one transaction that reads the row it replaces (the key held),
+        if the row is what the caller expects: ``ANY`` (a PUT: whatever is there; nothing is written when the row
+        already holds the same bytes, same digest and size), ``ABSENT`` (create-only), or a stamp (a change decided
+        from a version observed earlier: only if the row still names that version). ``Swap`` says what was found
+        and whether it was written."""
         values = row_values(record)
 
         def run(conn: Connection) -> Swap:
             self._lock_key(conn, record.key)
             old = self._current(conn, record.key)
-            if old is not None and (create_only or (old.digest == record.digest and old.size == record.size)):
+            if not _expected(old, expect) or (
+                expect is ANY and old is not None and old.digest == record.digest and old.size == record.size
+            ):
                 return Swap(old=old, written=False)
             conn.execute(self._upsert_bound, values)
             return Swap(old=old, written=True)
@@ -127,29 +132,14 @@ class Index(Scans):
         swap: Swap = await self._write(run)
         return swap
 
-    async def restore_block(self, *, key: str, stamp: str, old: BlockRecord | None) -> bool:
-        """Undo a swap whose version could not be published: put ``old`` back if the row still names ``stamp``."""
-
-        def run(conn: Connection) -> bool:
-            self._lock_key(conn, key)
-            current = self._current(conn, key)
-            if current is None or current.stamp != stamp:
-                return False
-            if old is None:
-                conn.execute(delete(Block).where(Block.key == key))
-            else:
-                conn.execute(self._upsert_bound, row_values(old))
-            return True
-
-        return bool(await self._write(run))
-
-    async def remove_block(self, key: str, *, stamp: str | None = None, any_version: bool = True) -> BlockRecord | None:
-        """Delete the row of ``key`` (only if it names ``stamp`` unless ``any_version``); the row deleted, or None."""
+    async def remove_block(self, key: str, *, expect: Expect = ANY) -> BlockRecord | None:
+        """Delete the row of ``key`` if it is what the caller expects (``ANY``, or a stamp: only if the row still
+        names that version); the row deleted, or None."""
 
         def run(conn: Connection) -> BlockRecord | None:
             self._lock_key(conn, key)
             current = self._current(conn, key)
-            if current is None or (not any_version and current.stamp != stamp):
+            if current is None or not _expected(current, expect):
                 return None
             conn.execute(delete(Block).where(Block.key == key))
             return current
@@ -157,21 +147,6 @@ class Index(Scans):
         self._access.pop(key, None)
         removed: BlockRecord | None = await self._write(run)
         return removed
-
-    async def delete_blocks(self, keys: Iterable[str]) -> int:
-        keys = list(keys)
-        if not keys:
-            return 0
-
-        def run(conn: Connection) -> int:
-            total = 0
-            for start in range(0, len(keys), 500):
-                total += conn.execute(delete(Block).where(Block.key.in_(keys[start : start + 500]))).rowcount
-            return total
-
-        for key in keys:
-            self._access.pop(key, None)
-        return int(await self._write(run))
 
     @functools.cached_property
     def _get_bound(self) -> Any:
@@ -301,11 +276,13 @@ class Index(Scans):
 
     # -- parts of multi-part objects -------------------------------------------------------------------------
 
-    async def add_part(self, part: PartRecord) -> list[PartRecord] | None:
+    async def add_part(self, part: PartRecord, *, namespace: str) -> list[PartRecord] | None:
         """Record a part, create-only on (key, start): the key's parts after it, or None if a part already starts
-        there (one transaction, one trip to the writer)."""
+        there. One transaction holding the key (PostgreSQL: its advisory lock), so of two writers recording the last
+        two parts of an object on two replicas, the second sees the first's part and completes the cover."""
 
         def run(conn: Connection) -> list[PartRecord] | None:
+            self._lock_key(conn, part.key)
             ins = self._insert(Part).values(
                 key=part.key,
                 start=part.start,
@@ -314,6 +291,7 @@ class Index(Scans):
                 digest=part.digest,
                 store_key=part.store_key,
                 created_at=time.time(),
+                namespace=namespace,
             )
             if not conn.execute(ins.on_conflict_do_nothing(index_elements=[Part.key, Part.start])).rowcount:
                 return None
@@ -335,16 +313,40 @@ class Index(Scans):
 
         return await self._read(q)
 
-    async def delete_parts(self, key: str) -> int:
+    async def delete_parts(self, key: str, parts: Sequence[PartRecord]) -> int:
+        """Forget exactly ``parts`` of ``key`` (each by its start and where its bytes are): a part recorded since
+        they were read stays. How many were forgotten."""
+
         def run(conn: Connection) -> int:
-            return int(conn.execute(delete(Part).where(Part.key == key)).rowcount)
+            self._lock_key(conn, key)
+            gone = 0
+            for p in parts:
+                stmt = delete(Part).where(Part.key == key, Part.start == p.start, Part.store_key == p.store_key)
+                gone += int(conn.execute(stmt).rowcount)
+            return gone
 
         return int(await self._write(run))
+
+
+def _expected(current: BlockRecord | None, expect: Expect) -> bool:
+    if expect is ANY:
+        return True
+    if expect is ABSENT:
+        return current is None
+    return current is not None and current.stamp == expect
 
 
 def _parts_of(conn: Connection, key: str) -> list[PartRecord]:
     rows = conn.execute(select(Part).where(Part.key == key).order_by(Part.start))
     return [
-        PartRecord(key=r.key, start=r.start, end=r.end, total=r.total, digest=r.digest, store_key=r.store_key)
+        PartRecord(
+            key=r.key,
+            start=r.start,
+            end=r.end,
+            total=r.total,
+            digest=r.digest,
+            store_key=r.store_key,
+            created_at=r.created_at,
+        )
         for r in rows
     ]

@@ -1,16 +1,13 @@
-"""Whole-table reads and bulk writes of the index: usage, incomplete uploads, reconcile, eviction, namespaces."""
+"""Whole-table reads of the index: usage, incomplete uploads, reconcile, eviction, namespaces."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
-from sqlalchemy import Connection, bindparam, case, delete, func, select, update
+from sqlalchemy import Connection, case, delete, func, select
 
 from app.index.engine import guard
-from app.index.models import Block, Namespace, Part
-from app.index.records import BlockRecord, Candidate, NamespaceUsage, row_values
-from app.index.writer import GroupCommit, SyncOp
+from app.index.models import Block, Namespace, Part, Usage
+from app.index.records import Candidate, NamespaceUsage, Upload
+from app.index.writer import GroupCommit
 
 
 class Scans(GroupCommit):
@@ -24,27 +21,32 @@ class Scans(GroupCommit):
 
         return await guard(q(), "read")
 
-    async def part_bytes(self) -> dict[str, int]:
-        """Bytes of stored parts of incomplete objects, by object key (capacity counts them)."""
+    async def usage_by_namespace(self) -> dict[str, tuple[int, int]]:
+        """``namespace -> (blocks, bytes)`` from the usage table: block rows plus stored parts of incomplete
+        objects, exact as of the last commit of any process (triggers move it in every change's transaction)."""
 
-        async def q() -> dict[str, int]:
-            stmt = select(Part.key, func.sum(Part.end - Part.start)).group_by(Part.key)
+        async def q() -> dict[str, tuple[int, int]]:
+            stmt = select(Usage.namespace, func.sum(Usage.blocks), func.sum(Usage.bytes)).group_by(Usage.namespace)
             async with self.engine.connect() as conn:
-                return {r[0]: int(r[1]) for r in await conn.execute(stmt)}
+                rows = await conn.execute(stmt)
+                return {r[0]: (int(r[1]), int(r[2])) for r in rows if r[1] or r[2]}
 
         return await guard(q(), "read")
 
-    async def parts_summary(self) -> dict[str, tuple[float, list[str]]]:
-        """Every incomplete object: key -> (oldest part's created_at, its parts' store keys)."""
+    async def uploads(self, *, namespace: str | None = None) -> list[Upload]:
+        """Every incomplete multi-part object, with its newest part's time (its last activity)."""
 
-        async def q() -> dict[str, tuple[float, list[str]]]:
-            found: dict[str, tuple[float, list[str]]] = {}
+        async def q() -> list[Upload]:
+            stmt = select(
+                Part.key, Part.namespace, func.max(Part.created_at), func.sum(Part.end - Part.start)
+            ).group_by(Part.key, Part.namespace)
+            if namespace is not None:
+                stmt = stmt.where(Part.namespace == namespace)
             async with self.engine.connect() as conn:
-                for r in await conn.execute(select(Part.key, Part.created_at, Part.store_key)):
-                    oldest, keys = found.get(r.key, (r.created_at, []))
-                    keys.append(r.store_key)
-                    found[r.key] = (min(oldest, r.created_at), keys)
-            return found
+                return [
+                    Upload(key=r[0], namespace=r[1] or "", last_part_at=float(r[2]), bytes=int(r[3]))
+                    for r in await conn.execute(stmt)
+                ]
 
         return await guard(q(), "read")
 
@@ -60,39 +62,11 @@ class Scans(GroupCommit):
 
         return await guard(q(), "scan")
 
-    async def adopt_many(self, records: Sequence[BlockRecord], *, chunk: int = 2000) -> None:
-        """Upsert many rows at once (executemany, one transaction per chunk); used by reconcile."""
-        ins = self._insert(Block)
-        stmt = ins.on_conflict_do_update(
-            index_elements=[Block.key],
-            set_={
-                "size": ins.excluded.size,
-                "digest": ins.excluded.digest,
-                "stamp": ins.excluded.stamp,
-                "created_at": ins.excluded.created_at,
-            },
-        )
-        rows = [row_values(r) for r in records]
-
-        def run(part: list[dict[str, Any]]) -> SyncOp:
-            return lambda conn: conn.execute(stmt, part)
-
-        for start in range(0, len(rows), chunk):
-            await self._write(run(rows[start : start + chunk]))
-
-    async def set_stamps(self, stamps: dict[str, str]) -> None:
-        """Record the stamp of rows written before stamps were (they were trusted on size, as they are now)."""
-        if not stamps:
-            return
-        stmt = update(Block).where(Block.key == bindparam("k"), Block.stamp.is_(None)).values(stamp=bindparam("s"))
-        params = [{"k": k, "s": s} for k, s in stamps.items()]
-        await self._write(lambda conn: conn.execute(stmt.execution_options(synchronize_session=False), params))
-
     async def lru_candidates(self, *, limit: int, namespace: str | None = None) -> list[Candidate]:
         """The ``limit`` least recently used blocks (last access, then creation time, then key)."""
 
         async def q() -> list[Candidate]:
-            stmt = select(Block.key, Block.namespace, Block.size, Block.created_at, Block.stamp)
+            stmt = select(Block.key, Block.namespace, Block.size, Block.created_at, Block.stamp, Block.last_access)
             if namespace is not None:
                 stmt = stmt.where(Block.namespace == namespace)
             stmt = stmt.order_by(Block.last_access, Block.created_at, Block.key).limit(limit)
@@ -104,6 +78,7 @@ class Scans(GroupCommit):
                         size=int(r.size),
                         created_at=float(r.created_at),
                         stamp=r.stamp,
+                        last_access=float(r.last_access),
                     )
                     for r in await conn.execute(stmt)
                 ]

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Callable
+import contextlib
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
-from sqlalchemy import Connection
+from sqlalchemy import Connection, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -22,6 +23,8 @@ from app.index.engine import WRITE_OPTION, blocking_twin, guard
 SyncOp = Callable[[Connection], Any]
 T = TypeVar("T")
 READER_THREADS = 4
+EXCLUSIVE = {"evict": 0x6B76_6761_7465_01}
+"""PostgreSQL advisory lock keys of the named exclusive sections (``GroupCommit.exclusive``)."""
 
 
 class GroupCommit:
@@ -103,6 +106,29 @@ class GroupCommit:
             conn = conn.execution_options(**{WRITE_OPTION: True})
             with conn.begin():
                 return run_all(conn)
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self, name: str) -> AsyncIterator[None]:
+        """A section one process at a time runs across every gateway sharing this index: on PostgreSQL an advisory
+        lock held on a connection of its own for the section's length (polled, so a caller can time out); on
+        SQLite nothing (its processes share a machine, where the coordination file serves)."""
+        if self._dialect != "postgresql":
+            yield
+            return
+        key = EXCLUSIVE[name]
+
+        async def take(conn: Any) -> None:
+            # polled (no event tells of another session's unlock), so that the caller's timeout can end the wait
+            while not (await conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": key})).scalar():  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+
+        async with self.engine.connect() as conn:
+            await guard(take(conn), "lock")
+            try:
+                yield
+            finally:
+                with contextlib.suppress(Exception):  # a dropped connection releases it all the same
+                    await conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": key})
 
     def _insert(self, table: Any) -> Any:
         """An INSERT of the index's dialect (both have ON CONFLICT, which the portable insert lacks)."""

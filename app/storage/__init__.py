@@ -10,9 +10,9 @@ def build_store(cfg: Backend, *, settings: Settings) -> BlockStore:
     if isinstance(cfg, FsBackend):
         from app.storage.filesystem import FilesystemStore
 
-        return FilesystemStore(
-            root=cfg.root or settings.data_dir / "blocks", fsync=cfg.fsync, chunk_bytes=settings.io_chunk_bytes
-        )
+        root = settings.blocks_root
+        assert root is not None  # the fs backend's
+        return FilesystemStore(root=root, fsync=cfg.fsync, chunk_bytes=settings.io_chunk_bytes)
     if isinstance(cfg, MemoryBackend):
         from app.storage.memory import MemoryStore
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import AsyncIterable, AsyncIterator
-from dataclasses import dataclass
-from typing import Protocol, Self
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar, Protocol, Self
 
-from app.errors import DigestMismatch, SizeMismatch
+from app.errors import BlockNotFound, DigestMismatch, SizeMismatch, VersionMismatch
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,9 +33,10 @@ class ObjectInfo:
 class Staged:
     """A block version written in full and checked, but not yet visible under its key.
 
-    ``stamp`` names this version in the store, and goes into the index row: the filesystem's is the file's
-    ``<inode>:<mtime_ns>`` (kept by the rename that publishes it), S3's the suffix of the object name that holds it.
-    A reader that opens ``key`` with the row's stamp gets that version or a ``VersionMismatch``, never another body.
+    ``stamp`` names this version in the store, and goes into the index row: the filesystem's is a random id and
+    the file's mtime, kept with the file (app/storage/fs_files.py), S3's the suffix of the object name that holds
+    it. Stamps never repeat: a reader that opens ``key`` with the row's stamp gets that version or a
+    ``VersionMismatch``, never another body.
     """
 
     key: str
@@ -42,6 +44,8 @@ class Staged:
     stamp: str
     handle: object
     """The store's own reference to the written bytes (a temp path, an object name, the bytes)."""
+    staged_at: float = field(default_factory=time.monotonic)
+    """When it was written (monotonic): a version kept unnamed too long may be swept as a leftover (S3)."""
 
 
 class ObjectReader(Protocol):
@@ -77,6 +81,21 @@ class ClosingReader:
 
 
 class BlockStore(Protocol):
+    """Where block bytes live. Stores subclass this protocol: the abilities below the line have do-nothing
+    defaults, so a store that lacks one behaves the declared way (and the contract suite covers every store).
+
+    Block versions: ``stage`` writes a version in full, checked and durable but invisible; ``publish`` makes it the
+    one under its key (after the index row naming it committed); ``remove`` takes one version away, durably. Plain
+    objects (namespace configs, part data): ``put``, ``open`` without a stamp, ``delete``.
+    """
+
+    versioned: ClassVar[bool] = False
+    """Each version is an object of its own (S3): a replaced version lingers until it is retired. Otherwise a key
+    holds one version at a time (its file), which publishing replaces."""
+    uploads: ClassVar[bool] = False
+    """The parts of a multi-part object can be written into the object's own upload (``write_at``,
+    ``stage_upload``: the filesystem); otherwise each part is a plain object of its own."""
+
     async def start(self) -> None: ...
 
     async def close(self) -> None: ...
@@ -100,7 +119,8 @@ class BlockStore(Protocol):
     async def stage(
         self, key: str, body: AsyncIterable[bytes], *, size: int, expected_digest: str | None = None
     ) -> Staged:
-        """Write and check a new version of block ``key`` without making it visible (``put``'s checks apply)."""
+        """Write and check a new version of block ``key`` without making it visible (``put``'s checks apply); it
+        is durable once this returns, and its stamp never names another version, on any store."""
 
     async def publish(self, staged: Staged) -> None:
         """Make a staged version the one under its key (filesystem: the rename; S3: nothing, the row names it)."""
@@ -109,7 +129,8 @@ class BlockStore(Protocol):
         """Drop a staged version that will never be published."""
 
     async def remove(self, key: str, *, stamp: str | None) -> bool:
-        """Remove the version ``stamp`` of block ``key`` (None: the unversioned object); False if not there."""
+        """Remove version ``stamp`` of block ``key`` (None: the unversioned object), durably before returning, and
+        only that version: a key that holds another one keeps it. False if that version was not there."""
 
     async def head(self, key: str) -> int | None:
         """The object's size, or None on a miss."""
@@ -118,10 +139,78 @@ class BlockStore(Protocol):
         """Remove ``key``; False if it was not there."""
 
     def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
-        """Every stored object whose key starts with ``prefix`` (published objects only, never temp data)."""
+        """Every stored object whose key starts with ``prefix`` (published objects only, never staged data)."""
 
     async def digest(self, key: str) -> ObjectMeta:
-        """Read the object back and compute its metadata (used by reconcile/adopt)."""
+        """Read the object under ``key`` back and compute its metadata, with its stamp (used by reconcile)."""
+
+    # -- abilities with do-nothing defaults -------------------------------------------------------------------
+
+    async def has_version(self, key: str, stamp: str) -> bool:
+        """Version ``stamp`` of ``key`` is stored (and, where the key holds one version, is the one there)."""
+        try:
+            reader = await self.open(key, stamp=stamp)
+        except (BlockNotFound, VersionMismatch):
+            return False
+        await reader.aclose()
+        return True
+
+    async def roll_forward(self, key: str, stamp: str) -> bool:
+        """Publish version ``stamp`` of ``key`` if it was staged and never published (a crash between the index
+        commit naming it and its publication); False if there is no such staged version. Default: publishing is
+        nothing on this store, so there is never anything to roll forward."""
+        return False
+
+    def issued(self, stamp: str | None) -> bool:
+        """``stamp`` (as ``digest``, ``list`` or ``open`` report it) names a version this store wrote and that has
+        not changed since, as opposed to data another program wrote (or changed) under the key."""
+        return stamp is not None
+
+    async def restamp(self, key: str, *, stamp: str) -> str | None:
+        """Give the data under ``key``, if it is still ``stamp`` (one of an earlier release's stamps), a stamp of
+        this store's own without reading it; the new stamp, or None if it is not that version (default: stamps
+        never change)."""
+        return None
+
+    async def claim(self, key: str) -> ObjectMeta:
+        """The data under ``key`` (written by another program, or from before version stamps), read back, hashed
+        and given a version stamp of this store's own where it keeps them; BlockNotFound if there is none.
+        Default: its digest, with whatever stamp it has."""
+        return await self.digest(key)
+
+    async def leftovers(self) -> Sequence[Leftover]:
+        """Staged versions that their writer left behind (it is gone: crashed, killed, or the machine stopped)
+        and never published or discarded. Default: this store leaves no staged data behind its writers."""
+        return []
+
+    async def drop_leftover(self, leftover: Leftover) -> bool:
+        """Remove a staged version found by ``leftovers`` (unless a writer holds it again); False if it is gone."""
+        return False
+
+    async def remove_empty_dirs(self, prefix: str, *, older_than_s: float) -> int:
+        """Remove empty directories under ``prefix`` untouched for ``older_than_s``; how many. Default: none."""
+        return 0
+
+    async def write_at(self, key: str, offset: int, pieces: Sequence[bytes]) -> None:
+        """(``uploads`` stores) Write ``pieces`` at ``offset`` of upload ``key`` (created if missing), durably if
+        the store fsyncs."""
+        raise TypeError(f"{type(self).__name__} writes no parts in place (uploads is False)")
+
+    async def stage_upload(self, key: str, target: str, regions: Sequence[Region], total: int) -> Staged:
+        """(``uploads`` stores) Stage upload ``key`` as a version of block ``target`` without copying it: the
+        upload must be ``total`` bytes and each region must hash to its digest (else DigestMismatch), and the whole
+        is hashed for the version's digest. The upload itself stays until deleted."""
+        raise TypeError(f"{type(self).__name__} writes no parts in place (uploads is False)")
+
+
+@dataclass(frozen=True, slots=True)
+class Leftover:
+    """A staged version whose writer is gone (``BlockStore.leftovers``): the key it was for, its stamp, and the
+    store's own name for it."""
+
+    key: str
+    stamp: str
+    name: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,19 +220,6 @@ class Region:
     start: int
     end: int
     digest: str
-
-
-class UploadStore(Protocol):
-    """A store that can write the parts of one object into the object's own file (the filesystem): the parts then
-    become the object, with no second copy (app/core/parts.py). Stores without it keep one object per part."""
-
-    async def write_at(self, key: str, offset: int, pieces: list[bytes]) -> None:
-        """Write ``pieces`` at ``offset`` of upload ``key`` (created if missing), durably if the store fsyncs."""
-
-    async def stage_upload(self, key: str, target: str, regions: list[Region], total: int) -> Staged:
-        """Stage upload ``key`` as a version of block ``target`` without copying it: the upload must be ``total``
-        bytes and each region must hash to its digest (else DigestMismatch), and the whole is hashed for the
-        version's digest. The upload itself stays until deleted."""
 
 
 class BodyChecker:

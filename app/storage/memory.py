@@ -8,7 +8,7 @@ from collections.abc import AsyncIterable, AsyncIterator
 from typing import cast
 
 from app.errors import BlockNotFound, VersionMismatch
-from app.storage.base import BodyChecker, ClosingReader, ObjectInfo, ObjectMeta, Staged
+from app.storage.base import BlockStore, BodyChecker, ClosingReader, ObjectInfo, ObjectMeta, Staged
 
 
 class MemoryReader(ClosingReader):
@@ -28,7 +28,7 @@ class MemoryReader(ClosingReader):
         return None
 
 
-class MemoryStore:
+class MemoryStore(BlockStore):
     """One object per key, each version stamped with a counter (``stage`` holds the bytes until ``publish``)."""
 
     def __init__(self, *, chunk_bytes: int = 4 * 1024 * 1024) -> None:

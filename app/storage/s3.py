@@ -17,7 +17,7 @@ import logging
 import re
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator
-from typing import Any
+from typing import Any, ClassVar
 
 import aioboto3
 from aiobotocore.config import AioConfig
@@ -25,7 +25,7 @@ from botocore.exceptions import ClientError
 
 from app.config import S3Backend
 from app.errors import BackendUnavailable, BlockNotFound, InvalidRequest
-from app.storage.base import BodyChecker, ClosingReader, ObjectInfo, ObjectMeta, Staged, coalesce
+from app.storage.base import BlockStore, BodyChecker, ClosingReader, ObjectInfo, ObjectMeta, Staged, coalesce
 from app.storage.s3_errors import FOREIGN, NO_BUCKET_CODES, code_of, is_missing, translate
 from app.storage.s3_signing import DIGEST_META, sign_with_known_digest
 
@@ -79,9 +79,9 @@ class S3Reader(ClosingReader):
             body.close()
 
 
-class S3Store:
-    versioned = True
-    """Each block version is its own object (BlockService removes a replaced one after the swap)."""
+class S3Store(BlockStore):
+    versioned: ClassVar[bool] = True
+    """Each block version is its own object (Versions retires a replaced one after the swap)."""
 
     def __init__(self, *, cfg: S3Backend, chunk_bytes: int = 4 * 1024 * 1024, list_page_size: int = 1000) -> None:
         self.cfg = cfg
@@ -365,6 +365,10 @@ class S3Store:
                     raise translate(exc, "read") from exc
                 received += len(data)
                 yield data
+
+    async def has_version(self, key: str, stamp: str) -> bool:
+        """One HeadObject (the default's open would start a GetObject of the whole version)."""
+        return await self._head(self.version_name(key, stamp)) is not None
 
     async def head(self, key: str) -> int | None:
         head = await self._head(self.object_key(key))

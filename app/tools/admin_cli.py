@@ -150,14 +150,11 @@ def purge(
     console.print(f"purged {r['namespace']}: {r['blocks']} blocks, {_human(r['bytes'])}, config={r['config']}")
 
 
-async def _gc(
-    data_dir: Path | None, db_url: str | None, temp_older_than_s: float, stale_parts_s: float, progress: Progress
-) -> Any:
+async def _gc(data_dir: Path | None, db_url: str | None, stale_parts_s: float, progress: Progress) -> Any:
     from app.backends import open_backends
     from app.config import Settings
-    from app.core.keystate import MetaCache
+    from app.core.assembly import open_core
     from app.core.reconcile import reconcile
-    from app.core.service import BlockService
 
     overrides: dict[str, Any] = {"data_dir": data_dir, "db_url": db_url}
     cfg = Settings(**{k: v for k, v in overrides.items() if v is not None})
@@ -168,12 +165,12 @@ async def _gc(
             tasks[phase] = progress.add_task(phase, total=max(total, 1))
         progress.update(tasks[phase], completed=done if total else 1, total=max(total, 1))
 
-    async with open_backends(cfg) as backends:
-        service = BlockService(store=backends.store, index=backends.index, cache=MetaCache(entries=0, ttl_s=None))
+    async with open_backends(cfg) as backends, open_core(backends, settings=cfg, cache=False) as core:
         return await reconcile(
-            service=service,
+            upkeep=core.upkeep,
+            store=core.store,
+            index=core.index,
             concurrency=cfg.reconcile_concurrency,
-            temp_older_than_s=temp_older_than_s,
             stale_parts_s=stale_parts_s,
             progress=note,
         )
@@ -183,17 +180,23 @@ def gc(
     data_dir: Annotated[Path | None, typer.Option(help="data root [env KVGATE_DATA_DIR]")] = None,
     db_url: Annotated[str | None, typer.Option(help="index URL [env KVGATE_DB_URL]")] = None,
     temp_older_than_s: Annotated[
-        float, typer.Option(help="remove temp files older than this (a live gateway may be writing newer ones)")
-    ] = 3600.0,
+        float,
+        typer.Option(
+            hidden=True,
+            help="ignored: a staged file is removed once its writer is gone, which its lock tells, at any age",
+        ),
+    ] = 0.0,
     stale_parts_s: Annotated[
         float, typer.Option(help="drop incomplete multi-part uploads whose oldest part is older than this")
     ] = 3600.0,
     as_json: Json = False,
 ) -> None:
-    """Reconcile the index with the store directly (no gateway needed): drop dead rows, adopt orphan data."""
+    """Reconcile the index with the store directly (no gateway needed; safe beside running gateways, which share
+    each key's lock through the data directory): roll forward what crashes left, drop dead rows, adopt orphan data."""
+    del temp_older_than_s
     columns = (TextColumn("{task.description:>7}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err_console) as progress:
-        report = asyncio.run(_gc(data_dir, db_url, temp_older_than_s, stale_parts_s, progress))
+        report = asyncio.run(_gc(data_dir, db_url, stale_parts_s, progress))
     if as_json:
         _print_json(dataclasses.asdict(report))
         return
@@ -204,6 +207,8 @@ def gc(
         ("rows dropped (no data)", report.rows_dropped),
         ("blocks adopted (no row)", report.adopted),
         ("rows in doubt (another version on disk)", report.resized),
+        ("committed versions rolled forward", report.rolled_forward),
+        ("rows given version ids", report.stamps_upgraded),
         ("corrupt blocks removed", report.corrupt_removed),
         ("configs adopted", report.configs_adopted),
         ("temp files removed", report.temp_removed),

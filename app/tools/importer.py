@@ -25,9 +25,8 @@ import typer
 
 from app.backends import open_backends
 from app.config import FsBackend, Settings
-from app.core.keystate import MetaCache
-from app.core.service import BlockService
-from app.errors import KVGateError
+from app.core.assembly import Core, open_core
+from app.errors import KVGateError, PreconditionFailed
 from contract.keys import InvalidKey, parse_block_key, parse_config_key
 
 log = logging.getLogger("kvgate.importer")
@@ -82,7 +81,7 @@ class Importer:
     def __init__(
         self,
         *,
-        service: BlockService,
+        core: Core,
         source: Path,
         in_place: bool,
         concurrency: int,
@@ -90,7 +89,7 @@ class Importer:
     ) -> None:
         self.progress = progress  # progress(done, total) after each block file
         self._total = self._done = 0
-        self.service = service
+        self.core = core
         self.source = source
         self.in_place = in_place
         self.concurrency = concurrency
@@ -133,7 +132,7 @@ class Importer:
             fields = json.loads(raw)
             if not isinstance(fields, dict):
                 raise ValueError("config.json is not a JSON object")
-            await self.service.put_config(namespace, fields, raw)
+            await self.core.service.put_config(namespace, fields, raw)
         except (OSError, ValueError, KVGateError) as exc:
             self.report.failed += 1
             self.report.note("failed", f"{rel}: {exc}")
@@ -157,14 +156,19 @@ class Importer:
 
     async def _block(self, rel: str, size: int) -> None:
         key = parse_block_key(rel)
-        existing = await self.service.index.get(key.path)
-        if existing is not None and existing.size == size:
+        if await self.core.versions.read(key.path, fresh=True) is not None:
             self.report.already_indexed += 1
             return
-        if self.in_place:
-            await self.service.adopt(key)
-        else:
-            await self.service.put(key, _file_chunks(self.source / rel), size=size, digest=None, create_only=False)
+        try:  # both conditional: a key a gateway stored meanwhile keeps the gateway's version
+            if self.in_place:
+                if (await self.core.upkeep.adopt(key)) is None:
+                    raise FileNotFoundError(rel)
+            else:
+                source = _file_chunks(self.source / rel)
+                await self.core.service.put(key, source, size=size, digest=None, create_only=True)
+        except PreconditionFailed:
+            self.report.already_indexed += 1
+            return
         self.report.blocks += 1
         self.report.bytes += size
 
@@ -176,12 +180,9 @@ async def import_dir(
     source = await anyio.to_thread.run_sync(source.resolve)
     if not await anyio.to_thread.run_sync(source.is_dir):
         raise FileNotFoundError(f"{source} is not a directory")
-    async with open_backends(settings) as backends:
-        service = BlockService(store=backends.store, index=backends.index, cache=MetaCache(entries=0, ttl_s=None))
-        in_place = isinstance(settings.backend, FsBackend) and source == getattr(backends.store, "root", None)
-        importer = Importer(
-            service=service, source=source, in_place=in_place, concurrency=concurrency, progress=progress
-        )
+    async with open_backends(settings) as backends, open_core(backends, settings=settings, cache=False) as core:
+        in_place = isinstance(settings.backend, FsBackend) and source == settings.blocks_root
+        importer = Importer(core=core, source=source, in_place=in_place, concurrency=concurrency, progress=progress)
         report = await importer.run()
     log.info("imported %s blocks=%d namespaces=%d failed=%d", source, report.blocks, report.namespaces, report.failed)
     return report

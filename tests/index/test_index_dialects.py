@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from sqlalchemy import func, inspect, select, text
 
-from app.index import BlockRecord, Index, make_engine
+from app.index import ABSENT, BlockRecord, Index, PartRecord, make_engine
 from app.index.engine import SQLITE_MMAP_BYTES, blocking_twin
 from app.index.migrate import upgrade_head
 from app.index.models import Block
@@ -60,8 +60,8 @@ def row(
 
 
 async def put_row(index: Index, **fields: Any) -> None:
-    """Make a row the key's (as BlockService's commit does)."""
-    await index.swap_block(row(**fields), create_only=False)
+    """Make a row the key's (as a PUT's commit does)."""
+    await index.swap_block(row(**fields))
 
 
 async def test_migration_creates_schema(db_url: str) -> None:
@@ -135,13 +135,23 @@ async def test_concurrent_upserts_group_commit(index: Index) -> None:
 
 async def test_get_many_in_order_and_over_batch(index: Index) -> None:
     present = [key(i) for i in range(0, 1200, 2)]  # over the 500-key IN batches
-    await index.adopt_many(
-        [
-            BlockRecord(
-                key=k, namespace=NS, rank=0, group=0, size=1, digest="d" * 64, created_at=1.0, last_access=1.0, hits=0
+    await asyncio.gather(
+        *(
+            index.swap_block(
+                BlockRecord(
+                    key=k,
+                    namespace=NS,
+                    rank=0,
+                    group=0,
+                    size=1,
+                    digest="d" * 64,
+                    created_at=1.0,
+                    last_access=1.0,
+                    hits=0,
+                )
             )
             for k in present
-        ]
+        )
     )
     asked = [key(i) for i in range(1200)]
     found = await index.get_many(asked)
@@ -152,8 +162,8 @@ async def test_get_many_in_order_and_over_batch(index: Index) -> None:
 async def test_delete(index: Index) -> None:
     for i in range(3):
         await put_row(index, key=key(i), namespace=NS, rank=0, group=0, size=10, digest="e" * 64)
-    assert await index.delete_blocks([key(0), key(1), key(99)]) == 2
-    assert await index.delete_blocks([]) == 0
+    gone = [await index.remove_block(k) for k in (key(0), key(1), key(99))]
+    assert [g is not None for g in gone] == [True, True, False]
     assert await index.get(key(0)) is None
     assert await index.get(key(2)) is not None
     assert await index.usage() == (1, 10)
@@ -206,7 +216,7 @@ async def test_two_indexes_share_one_database(db_url: str) -> None:
         await asyncio.gather(a.flush_access(), b.flush_access())
         rec = await a.get(key(7))
         assert rec is not None and rec.hits == 2
-        assert await b.delete_blocks([key(7)]) == 1
+        assert await b.remove_block(key(7)) is not None
         assert await a.get(key(7)) is None
     finally:
         await a.close()
@@ -223,24 +233,52 @@ async def test_run_read(index: Index) -> None:
 
 
 async def test_swap_block_reads_what_it_replaces(index: Index) -> None:
-    first = await index.swap_block(row(key=key(20), size=5, digest="a" * 64, stamp="s1"), create_only=False)
+    first = await index.swap_block(row(key=key(20), size=5, digest="a" * 64, stamp="s1"))
     assert first.old is None and first.written
-    again = await index.swap_block(row(key=key(20), size=6, digest="b" * 64, stamp="s2"), create_only=True)
+    again = await index.swap_block(row(key=key(20), size=6, digest="b" * 64, stamp="s2"), expect=ABSENT)
     assert not again.written and again.old is not None and again.old.stamp == "s1"  # create-only: present
-    same = await index.swap_block(row(key=key(20), size=5, digest="a" * 64, stamp="s3"), create_only=False)
+    same = await index.swap_block(row(key=key(20), size=5, digest="a" * 64, stamp="s3"))
     assert not same.written  # the same bytes: nothing to change
-    swap = await index.swap_block(row(key=key(20), size=6, digest="b" * 64, stamp="s2"), create_only=False)
+    swap = await index.swap_block(row(key=key(20), size=6, digest="b" * 64, stamp="s2"))
     assert swap.written and swap.old is not None and (swap.old.digest, swap.old.stamp) == ("a" * 64, "s1")
-    # restore only while the row still names the version being undone
-    assert not await index.restore_block(key=key(20), stamp="other", old=swap.old)
-    assert await index.restore_block(key=key(20), stamp="s2", old=swap.old)
+    # a change decided from an earlier look commits only while the row still names the version it saw
+    stale = await index.swap_block(row(key=key(20), size=5, digest="a" * 64, stamp="s4"), expect="s1")
+    assert not stale.written and stale.old is not None and stale.old.stamp == "s2"
+    current = await index.swap_block(row(key=key(20), size=5, digest="a" * 64, stamp="s4"), expect="s2")
+    assert current.written
     rec = await index.get(key(20))
-    assert rec is not None and (rec.size, rec.digest, rec.stamp) == (5, "a" * 64, "s1")
+    assert rec is not None and (rec.size, rec.digest, rec.stamp) == (5, "a" * 64, "s4")
     # removal of one version only
-    assert await index.remove_block(key(20), stamp="s2", any_version=False) is None
-    gone = await index.remove_block(key(20), stamp="s1", any_version=False)
+    assert await index.remove_block(key(20), expect="s2") is None
+    gone = await index.remove_block(key(20), expect="s4")
     assert gone is not None and gone.digest == "a" * 64
     assert await index.get(key(20)) is None and await index.remove_block(key(20)) is None
+
+
+async def test_usage_moves_in_each_change_s_transaction(index: Index) -> None:
+    """The usage table (kept by triggers) equals the rows and stored parts after every kind of change."""
+
+    async def truth() -> dict[str, tuple[int, int]]:
+        blocks = {u.namespace: (u.blocks, u.bytes) for u in await index.namespace_usage()}
+        for upload in await index.uploads():
+            b, n = blocks.get(upload.namespace, (0, 0))
+            blocks[upload.namespace] = (b, n + upload.bytes)
+        return {ns: v for ns, v in blocks.items() if v != (0, 0)}
+
+    other = "other_model_0123456789ab"
+    await asyncio.gather(*(index.swap_block(row(key=key(i), size=10 + i, digest=f"{i:064x}")) for i in range(40)))
+    await index.swap_block(row(key=key(5, ns=other), size=7, digest="7" * 64, namespace=other))
+    await index.swap_block(row(key=key(3), size=1000, digest="f" * 64))  # an overwrite: another size
+    await index.remove_block(key(4))
+    part = PartRecord(key=key(90), start=0, end=300, total=600, digest="9" * 64, store_key="x")
+    recorded = await index.add_part(part, namespace=NS)
+    assert recorded is not None
+    assert await index.usage_by_namespace() == await truth()
+    assert (await index.usage_by_namespace())[NS] == (39, sum(10 + i for i in range(40)) - 13 + 1000 - 14 + 300)
+    assert await index.delete_parts(key(90), recorded) == 1
+    for i in range(40):
+        await index.remove_block(key(i))
+    assert await index.usage_by_namespace() == await truth() == {other: (1, 7)}
 
 
 async def test_create_only_has_one_winner_across_two_indexes(db_url: str) -> None:
@@ -254,7 +292,7 @@ async def test_create_only_has_one_winner_across_two_indexes(db_url: str) -> Non
             k = key(1000 + i)
             swaps = await asyncio.gather(
                 *(
-                    idx.swap_block(row(key=k, size=w, digest=f"{w:064x}", stamp=str(w)), create_only=True)
+                    idx.swap_block(row(key=k, size=w, digest=f"{w:064x}", stamp=str(w)), expect=ABSENT)
                     for w, idx in enumerate([a, b] * 4)
                 )
             )
@@ -265,7 +303,7 @@ async def test_create_only_has_one_winner_across_two_indexes(db_url: str) -> Non
             # and each overwrite saw exactly the row it replaced: the stamps form one chain
             olds = await asyncio.gather(
                 *(
-                    idx.swap_block(row(key=k, size=100 + w, digest=f"{100 + w:064x}", stamp=f"o{w}"), create_only=False)
+                    idx.swap_block(row(key=k, size=100 + w, digest=f"{100 + w:064x}", stamp=f"o{w}"))
                     for w, idx in enumerate([a, b] * 4)
                 )
             )

@@ -68,7 +68,7 @@ async def test_a_failed_query_fails_every_caller_of_its_batch() -> None:
 
 async def test_get_many_finds_exactly_the_present_keys(index: Index) -> None:  # noqa: F811
     present = {key(i) for i in range(0, 1200, 3)}
-    await index.swap_block(row(key=key(0), size=1, digest="0" * 64), create_only=False)
+    await index.swap_block(row(key=key(0), size=1, digest="0" * 64))
     for k in present - {key(0)}:
         await put_row(index, key=k, size=7, digest="1" * 64)
     asked = [key(i) for i in range(1200)] + [key(3), key(4), 'x"y\\z/\u00e9.bin']  # repeats, a key JSON escapes

@@ -25,7 +25,8 @@ import httpx
 from fastapi import FastAPI
 
 from app.config import FsBackend, MemoryBackend, Settings
-from app.core.eviction import Capacity
+from app.core.assembly import Core
+from app.core.capacity import Capacity
 from app.core.service import BlockService
 from app.index.migrate import upgrade_head
 from app.main import create_app, create_server
@@ -39,14 +40,17 @@ class Gateway:
     client: httpx.AsyncClient
 
     @property
+    def core(self) -> Core:
+        core: Core = self.app.state.core
+        return core
+
+    @property
     def service(self) -> BlockService:
-        svc: BlockService = self.app.state.service
-        return svc
+        return self.core.service
 
     @property
     def capacity(self) -> Capacity:
-        cap: Capacity = self.app.state.capacity
-        return cap
+        return self.core.capacity
 
     async def stats(self, *, headers: dict[str, str] | None = None) -> dict[str, Any]:
         r = await self.client.get("/v1/stats", headers=headers)

@@ -14,9 +14,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from app.core.removal import _version_of
-from app.core.service import BlockService, parse_key
+from app.core.assembly import Core
+from app.core.service import parse_key
 from app.errors import BlockNotFound
+from app.index import Candidate
 from tests.conftest import key_for
 from tests.unit.inprocess import Gateway
 
@@ -26,18 +27,20 @@ async def _body(data: bytes) -> AsyncIterator[bytes]:
 
 
 @pytest.fixture
-def service(gw: Gateway) -> BlockService:
-    return gw.service
+def core(gw: Gateway) -> Core:
+    return gw.core
 
 
 @pytest.mark.parametrize("change", ["evict", "delete"])
-async def test_read_inside_a_removal_is_not_cached(service: BlockService, change: str) -> None:
+async def test_read_inside_a_removal_is_not_cached(core: Core, change: str) -> None:
+    service = core.service
     key = parse_key(key_for(1))
     data = b"x" * 4096
     await service.put(key, _body(data), size=len(data), digest=hashlib.sha256(data).hexdigest(), create_only=False)
-    service.cache.clear()  # the next read fills the cache from the index, as after a restart
+    async with core.versions.change(key.path):
+        pass  # a change of the key (here an empty one): what the cache held is stale, the next read fills it afresh
 
-    index = service.index
+    index = core.index
     real_remove = index.remove_block
     entered, release = asyncio.Event(), asyncio.Event()
 
@@ -50,7 +53,14 @@ async def test_read_inside_a_removal_is_not_cached(service: BlockService, change
     record = await index.get(key.path)
     assert record is not None
     if change == "evict":
-        removal = asyncio.create_task(service.evict([_version_of(record)]))
+        chosen = Candidate(
+            key=record.key,
+            namespace=record.namespace,
+            size=record.size,
+            created_at=record.created_at,
+            stamp=record.stamp,
+        )
+        removal = asyncio.create_task(core.upkeep.evict([chosen]))
     else:
         removal = asyncio.create_task(service.delete(key))
     await entered.wait()

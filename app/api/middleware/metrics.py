@@ -50,10 +50,10 @@ class ServiceCollector(Collector):
         self._state = app_state
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        svc = getattr(self._state, "service", None)
-        cap = getattr(self._state, "capacity", None)
-        if svc is None or cap is None:
+        core = getattr(self._state, "core", None)  # none before the lifespan has built it
+        if core is None:
             return
+        svc, cap = core.service, core.capacity
         yield CounterMetricFamily("kvgate_hits", "block reads (GET/HEAD) that found the block", svc.counters.hits)
         yield CounterMetricFamily("kvgate_misses", "block reads (GET/HEAD) that missed", svc.counters.misses)
         yield CounterMetricFamily("kvgate_evictions", "blocks evicted to stay within capacity", cap.evictions)

@@ -9,9 +9,10 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, Field
 
 from app.api.errors import documented
-from app.api.routes.deps import service
-from app.core.eviction import Capacity
+from app.api.routes.deps import capacity, service, upkeep
+from app.core.capacity import Capacity
 from app.core.service import BlockService
+from app.core.upkeep import Upkeep
 from app.errors import NamespaceNotFound
 from app.index import NamespaceUsage
 from contract.keys import parse_namespace
@@ -63,11 +64,6 @@ class Stats(BaseModel):
     uptime_s: float
 
 
-def capacity(request: Request) -> Capacity:
-    cap: Capacity = request.app.state.capacity
-    return cap
-
-
 def _summary(u: NamespaceUsage, *, has_config: bool) -> NamespaceSummary:
     return NamespaceSummary(
         namespace=u.namespace,
@@ -91,10 +87,10 @@ def _empty(name: str) -> NamespaceUsage:
     summary="Every namespace: blocks, bytes, hits",
     responses=documented(503),
 )
-async def list_namespaces(svc: Annotated[BlockService, Depends(service)]) -> NamespaceList:
-    await svc.index.flush_access()
-    usage = {u.namespace: u for u in await svc.index.namespace_usage()}
-    configured = set(await svc.index.namespace_names())
+async def list_namespaces(up: Annotated[Upkeep, Depends(upkeep)]) -> NamespaceList:
+    views = await up.views()
+    usage = {u.namespace: u for u in views.usage}
+    configured = views.configured
     names = sorted(set(usage) | configured)
     return NamespaceList(namespaces=[_summary(usage.get(n) or _empty(n), has_config=n in configured) for n in names])
 
@@ -105,11 +101,10 @@ async def list_namespaces(svc: Annotated[BlockService, Depends(service)]) -> Nam
     summary="One namespace: blocks, bytes, hits",
     responses=documented(400, 404, 503),
 )
-async def get_namespace(namespace: str, svc: Annotated[BlockService, Depends(service)]) -> NamespaceSummary:
+async def get_namespace(namespace: str, up: Annotated[Upkeep, Depends(upkeep)]) -> NamespaceSummary:
     parse_namespace(namespace)  # InvalidKey: a 400 from the error table
-    await svc.index.flush_access()
-    rows = await svc.index.namespace_usage(namespace)
-    has_config = await svc.index.get_namespace(namespace) is not None
+    views = await up.views(namespace)
+    rows, has_config = views.usage, namespace in views.configured
     if not rows and not has_config:
         raise NamespaceNotFound(namespace)
     return _summary(rows[0] if rows else _empty(namespace), has_config=has_config)
@@ -121,8 +116,11 @@ async def get_namespace(namespace: str, svc: Annotated[BlockService, Depends(ser
     summary="Purge a namespace: block data, rows and config",
     responses=documented(400, 404, 503),
 )
-async def purge_namespace(namespace: str, svc: Annotated[BlockService, Depends(service)]) -> PurgeResult:
-    report = await svc.purge(namespace)
+async def purge_namespace(
+    namespace: str, up: Annotated[Upkeep, Depends(upkeep)], svc: Annotated[BlockService, Depends(service)]
+) -> PurgeResult:
+    report = await up.purge(namespace)
+    svc.forget_layout(namespace)
     return PurgeResult(namespace=namespace, blocks=report.blocks, bytes=report.bytes, config=report.config)
 
 
@@ -134,7 +132,7 @@ async def stats(
     svc: Annotated[BlockService, Depends(service)],
     cap: Annotated[Capacity, Depends(capacity)],
 ) -> Stats:
-    usage = cap.usage
+    usage = await cap.refresh()  # exact across processes, as of the last commit of any
     return Stats(
         usage_bytes=usage.bytes,
         max_bytes=cap.max_bytes,

@@ -23,8 +23,7 @@ async def healthz() -> dict[str, str]:
 @router.get("/readyz", summary="Store and index both answer", responses=documented(503))
 async def readyz(svc: Annotated[BlockService, Depends(service)]) -> JSONResponse:
     try:
-        await svc.store.check()
-        await svc.index.check()
+        await svc.check()
     except KVGateError as exc:
         return response_for(exc)
     return JSONResponse({"status": "ready"})

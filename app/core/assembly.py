@@ -1,0 +1,64 @@
+"""The core, assembled: every piece built with its collaborators as constructor arguments, in one place, in the
+order they depend on each other. The server (create_app), ``kvgate gc`` and ``kvgate import`` all open it here,
+over the same data directory's coordination file, so they share each key's lock and the cache epochs."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import anyio.to_thread
+
+from app.backends import Backends
+from app.config import Settings
+from app.core.capacity import Capacity
+from app.core.coordination import open_coordinator
+from app.core.events import NO_EVENTS, EventSink
+from app.core.keystate import KeyLocks, MetaCache
+from app.core.parts import PartAssembler
+from app.core.service import BlockService
+from app.core.upkeep import Upkeep
+from app.core.usage import Usage
+from app.core.versions import Versions
+from app.index import Index
+from app.storage import BlockStore
+
+
+@dataclass(frozen=True, slots=True)
+class Core:
+    store: BlockStore
+    index: Index
+    versions: Versions
+    upkeep: Upkeep
+    capacity: Capacity
+    service: BlockService
+
+
+@contextlib.asynccontextmanager
+async def open_core(
+    backends: Backends, *, settings: Settings, events: EventSink = NO_EVENTS, cache: bool = True
+) -> AsyncIterator[Core]:
+    """The core over opened backends; ``cache``: keep a metadata cache (a one-off tool needs none)."""
+    coordinator = await anyio.to_thread.run_sync(open_coordinator, settings.data_dir)
+    try:
+        store, index = backends.store, backends.index
+        locks = KeyLocks(coordinator)
+        meta_cache = MetaCache(
+            entries=settings.meta_cache_entries if cache else 0, ttl_s=settings.meta_cache_ttl_s, epochs=locks.epochs
+        )
+        usage = Usage()
+        versions = Versions(store=store, index=index, locks=locks, cache=meta_cache, usage=usage, events=events)
+        parts = PartAssembler(store=store, index=index, versions=versions)
+        upkeep = Upkeep(versions=versions, parts=parts, store=store, index=index)
+        capacity = Capacity(usage=usage, upkeep=upkeep, index=index, coordinator=coordinator, settings=settings)
+        service = BlockService(
+            versions=versions, parts=parts, admission=capacity, repair=upkeep, store=store, index=index, events=events
+        )
+        try:
+            yield Core(store=store, index=index, versions=versions, upkeep=upkeep, capacity=capacity, service=service)
+        finally:
+            await capacity.close()
+            await versions.close()
+    finally:
+        coordinator.close()

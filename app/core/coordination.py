@@ -1,0 +1,192 @@
+"""Coordination of the processes that share one data directory: gateway workers, ``kvgate gc``, ``kvgate import``.
+
+One file, ``<data_dir>/kvgate.coord``, holds two things, both keyed by a key's *stripe* (crc32 of the key, modulo
+``STRIPES``):
+
+- **locks**: an open-file-description lock (``F_OFD_SETLK``) on byte ``stripe`` of the file. Such a lock belongs to
+  one open file description, not to a process, so it excludes other processes *and* other holders in the same
+  process (each holder locks through a description of its own), and the kernel releases it when its holder dies
+  (kill -9 included). A change of a key holds its stripe's lock from before it reads the key's row until after its
+  data is published, so every process sees each key's changes one at a time, in commit order.
+- **epochs**: a memory-mapped table of one 64-bit counter per stripe, shared by every process that maps the file.
+  The holder of a stripe's lock moves its counter to an odd value before it changes the key's row and to the next
+  even value after the change is done (a seqlock). A row read between two equal, even values of its stripe's
+  counter is current, and a cached row stays good while the counter has not moved: that is how a process's
+  metadata cache learns of another process's change.
+
+Without a file (``LocalEpochs`` only, in-process tests over the memory store) the same protocol runs inside one
+process. Across machines (replicas over S3 and PostgreSQL) nothing here is shared: there every change is a
+compare-and-set on the version in the index, and the metadata cache is off by default.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import fcntl
+import mmap
+import os
+import struct
+import zlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Protocol
+
+STRIPES = 1 << 16
+"""Stripes of the lock and epoch tables: two keys share a lock (and an epoch) with probability 1/STRIPES."""
+_EPOCH = struct.Struct("<Q")
+TABLE_BYTES = _EPOCH.size * STRIPES
+NAMED_BASE = STRIPES
+"""Byte offsets from here on are named locks (``exclusive(name)``): the evictor's, for one at a time."""
+NAMED = {"evict": 0, "reconcile": 1}
+_FLOCK = struct.Struct("@hhqqi4x")
+"""struct flock on Linux (l_type, l_whence, l_start, l_len, l_pid); l_pid must be 0 for OFD locks."""
+POLL_FIRST_S = 0.0005
+POLL_MAX_S = 0.02
+
+
+def stripe_of(key: str) -> int:
+    """The stripe of ``key``: stable across processes and runs (Python's own hash() is salted per process)."""
+    return zlib.crc32(key.encode()) & (STRIPES - 1)
+
+
+class Epochs(Protocol):
+    """One counter per stripe: odd while a change of a key of that stripe is in flight, even at rest."""
+
+    def get(self, stripe: int) -> int: ...
+
+    def begin(self, stripe: int) -> None:
+        """Move to the next odd value (the caller holds the stripe's lock)."""
+
+    def end(self, stripe: int) -> None:
+        """Move to the next even value (the caller holds the stripe's lock)."""
+
+
+def _next_odd(value: int) -> int:
+    # a holder that died mid-change left an odd value: skip past it, never back
+    return value + 1 if value % 2 == 0 else value + 2
+
+
+class LocalEpochs:
+    """The epoch table of one process (no other process shares its keys)."""
+
+    def __init__(self) -> None:
+        self._values = [0] * STRIPES
+
+    def get(self, stripe: int) -> int:
+        return self._values[stripe]
+
+    def begin(self, stripe: int) -> None:
+        self._values[stripe] = _next_odd(self._values[stripe])
+
+    def end(self, stripe: int) -> None:
+        self._values[stripe] += 1
+
+
+class CoordinationUnavailable(RuntimeError):
+    """The data directory cannot hold the coordination file (or the OS has no open-file-description locks)."""
+
+
+class Coordinator:
+    """The shared lock and epoch tables of one data directory (see the module docstring)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise CoordinationUnavailable(f"cannot open {path}: {exc.strerror or exc}") from exc
+        try:
+            if os.fstat(fd).st_size < TABLE_BYTES:
+                os.ftruncate(fd, TABLE_BYTES)  # zeros: every epoch even (at rest); growing never loses a value
+            self._map = mmap.mmap(fd, TABLE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            if not hasattr(fcntl, "F_OFD_SETLK"):
+                raise CoordinationUnavailable("this OS has no open-file-description locks (F_OFD_SETLK): Linux needed")
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self._spare: list[int] = []
+        """Open descriptions of the file, each able to hold one lock, kept for reuse (opening costs a syscall)."""
+
+    def close(self) -> None:
+        for fd in self._spare:
+            os.close(fd)
+        self._spare.clear()
+        self._map.close()
+        os.close(self._fd)
+
+    # -- epochs (Epochs) --------------------------------------------------------------------------------------
+
+    def get(self, stripe: int) -> int:
+        value: int = _EPOCH.unpack_from(self._map, stripe * _EPOCH.size)[0]
+        return value
+
+    def begin(self, stripe: int) -> None:
+        _EPOCH.pack_into(self._map, stripe * _EPOCH.size, _next_odd(self.get(stripe)))
+
+    def end(self, stripe: int) -> None:
+        _EPOCH.pack_into(self._map, stripe * _EPOCH.size, self.get(stripe) + 1)
+
+    # -- locks ------------------------------------------------------------------------------------------------
+
+    def _description(self) -> int:
+        return self._spare.pop() if self._spare else os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+
+    def try_lock(self, offset: int) -> int | None:
+        """Lock byte ``offset`` without waiting: the description holding it, or None if another holds it."""
+        fd = self._description()
+        try:
+            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, offset, 1, 0))
+        except OSError as exc:
+            self._spare.append(fd)
+            if exc.errno in (errno.EAGAIN, errno.EACCES):
+                return None
+            raise
+        return fd
+
+    def unlock(self, fd: int, offset: int) -> None:
+        try:
+            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, offset, 1, 0))
+        except OSError:
+            os.close(fd)  # closing the description releases its lock all the same
+            return
+        if len(self._spare) < 64:
+            self._spare.append(fd)
+        else:
+            os.close(fd)
+
+    @contextlib.asynccontextmanager
+    async def locked(self, offset: int) -> AsyncIterator[None]:
+        """Hold the lock on byte ``offset``, polling while another holds it (contention across processes is rare:
+        two changes of one key, or of two keys of one stripe, at once)."""
+        delay = POLL_FIRST_S
+        while (fd := self.try_lock(offset)) is None:
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, POLL_MAX_S)
+        try:
+            yield
+        finally:
+            self.unlock(fd, offset)
+
+    async def wait_free(self, offset: int) -> None:
+        """Return once nobody holds the lock on ``offset`` (a change in flight elsewhere has finished)."""
+        async with self.locked(offset):
+            pass
+
+    def exclusive(self, name: str) -> contextlib.AbstractAsyncContextManager[None]:
+        """A named lock that one holder at a time has across processes (e.g. the evictor)."""
+        return self.locked(NAMED_BASE + NAMED[name])
+
+    def try_exclusive(self, name: str) -> int | None:
+        return self.try_lock(NAMED_BASE + NAMED[name])
+
+    def release_exclusive(self, name: str, fd: int) -> None:
+        self.unlock(fd, NAMED_BASE + NAMED[name])
+
+
+def open_coordinator(data_dir: Path) -> Coordinator:
+    """The coordinator of ``data_dir`` (created on first use)."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    return Coordinator(data_dir / "kvgate.coord")

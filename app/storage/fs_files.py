@@ -1,0 +1,350 @@
+"""The filesystem store's file-level pieces: version stamps, staged (temp) files, durable directory changes, reads.
+
+**A version's stamp** is ``<id>.<mtime_ns>``: ``id`` is 128 random bits drawn when the version is staged, written
+into the file's extended attribute ``user.kvgate.version`` together with the mtime the file had once written
+(``fsetxattr`` does not move the mtime; a rename or a hard link keeps both). A reader opens the key's file and
+reads the attribute and the mtime from the open descriptor: the stamp it finds is the row's only if the file is
+that very version, unchanged since. Ids never repeat, whatever the kernel does with inode numbers or how coarse its
+timestamps are; a file changed in place keeps its id but not its mtime, so it no longer matches. A file without a
+valid attribute (written by vLLM's fs tier, or by kvgate before stamps had ids) is named ``<inode>:<mtime_ns>``,
+the stamps of earlier releases, which rows written then still hold.
+
+**A staged version** is ``.kvgate-tmp-<id>.<name>`` in its key's directory, where ``name`` is the key's file name:
+its writer holds an open-file-description lock on it from creation until it is published or discarded, so a sweep
+can tell a live writer's file (locked) from one a crash left behind (unlocked), with no clock involved.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import shutil
+import struct
+import time
+import uuid
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+import anyio.to_thread
+
+from app.errors import BackendUnavailable, InsufficientStorage
+from app.storage.base import BodyChecker, ObjectInfo, ObjectMeta
+
+TEMP_PREFIX = ".kvgate-tmp-"
+XATTR = "user.kvgate.version"
+T = TypeVar("T")
+_FLOCK = struct.Struct("@hhqqi4x")
+_NO_XATTR = (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP)
+
+
+def translate(exc: OSError, what: str) -> Exception:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return InsufficientStorage(f"{what}: no space left on the block store")
+    return BackendUnavailable(f"{what}: {exc.strerror or exc}")
+
+
+async def io(fn: Callable[..., T], *args: object, what: str) -> T:
+    """``fn(*args)`` on a worker thread; OSErrors other than a missing file become the domain's errors."""
+    try:
+        return await anyio.to_thread.run_sync(fn, *args)
+    except (FileNotFoundError, NotADirectoryError):
+        raise
+    except OSError as exc:
+        raise translate(exc, what) from exc
+
+
+# -- stamps ---------------------------------------------------------------------------------------------------
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def id_of(stamp: str) -> str | None:
+    """The version id of one of this store's stamps (None for an ``<inode>:<mtime>`` stamp)."""
+    vid, sep, _ = stamp.partition(".")
+    return vid if sep and len(vid) == 32 else None
+
+
+def read_stamp(target: int | str | Path, st: os.stat_result) -> str:
+    """The stamp of the file open as ``target`` (a descriptor, or a path), whose stat is ``st``."""
+    try:
+        raw = os.getxattr(target, XATTR)
+    except OSError as exc:
+        if exc.errno not in _NO_XATTR:
+            raise
+        raw = b""
+    if raw:
+        value = raw.decode("ascii", "replace")
+        vid, sep, mtime = value.partition(".")
+        if sep and len(vid) == 32 and mtime == str(st.st_mtime_ns):
+            return value
+    return f"{st.st_ino}:{st.st_mtime_ns}"
+
+
+def seal_stamp(fd: int, *, vid: str) -> str:
+    """Give the file open as ``fd`` (written in full) the stamp of version ``vid``; the stamp."""
+    stamp = f"{vid}.{os.fstat(fd).st_mtime_ns}"
+    os.setxattr(fd, XATTR, stamp.encode())
+    return stamp
+
+
+def probe_xattrs(root: Path) -> None:
+    """Refuse a data root whose filesystem keeps no user extended attributes (the version ids live there)."""
+    probe = root / f"{TEMP_PREFIX}probe-{new_id()}"
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        os.setxattr(fd, XATTR, b"probe")
+        if os.getxattr(fd, XATTR) != b"probe":
+            raise OSError(errno.EIO, "extended attribute read back differs")
+    except OSError as exc:
+        raise BackendUnavailable(
+            f"data root {root} cannot keep kvgate's version ids (user extended attributes: {exc.strerror or exc}); "
+            "use ext4, XFS or btrfs (tmpfs needs Linux 6.6 or later)"
+        ) from exc
+    finally:
+        os.close(fd)
+        probe.unlink(missing_ok=True)
+
+
+# -- staged files ---------------------------------------------------------------------------------------------
+
+
+def temp_name(vid: str, final: Path) -> Path:
+    return final.parent / f"{TEMP_PREFIX}{vid}.{final.name}"
+
+
+def parse_temp(name: str) -> tuple[str, str] | None:
+    """``.kvgate-tmp-<id>.<name>`` -> (id, name); None for any other file name."""
+    if not name.startswith(TEMP_PREFIX):
+        return None
+    vid, sep, rest = name[len(TEMP_PREFIX) :].partition(".")
+    return (vid, rest) if sep and len(vid) == 32 and rest else None
+
+
+def lock_file(fd: int, *, wait: bool = False) -> bool:
+    """Take the writer's lock on the file open as ``fd`` (open for writing); False if another description holds
+    it (``wait``: block until it is free)."""
+    cmd = fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK
+    try:
+        fcntl.fcntl(fd, cmd, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def create_locked(path: Path) -> int:
+    """Create ``path`` (exclusively, its directory if need be) and hold the writer's lock on it."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    try:  # the key's directory is there for all but a prefix's first block: no mkdir walk per PUT
+        fd = os.open(path, flags, 0o644)
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, flags, 0o644)
+    lock_file(fd)
+    return fd
+
+
+def write_all(fd: int, pieces: Sequence[bytes], offset: int | None) -> None:
+    """All of ``pieces`` in one writev (at the file position) or pwritev (at ``offset``), short writes resumed."""
+    views = [memoryview(p) for p in pieces]
+    while views:
+        written = os.writev(fd, views) if offset is None else os.pwritev(fd, views, offset)
+        if offset is not None:
+            offset += written
+        while views and written >= len(views[0]):
+            written -= len(views.pop(0))
+        if views and written:
+            views[0] = views[0][written:]
+
+
+def fsync_dir(path: Path) -> None:
+    dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+NO_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK)
+"""errnos of a filesystem (or a file) that takes no more hard links."""
+
+
+def link_or_copy(src: Path, dst: Path) -> bool:
+    """Hard-link ``src`` as ``dst`` (True); where the filesystem has no hard links, copy it (shutil: in the kernel
+    where it can) and fsync the copy (False)."""
+    try:
+        os.link(src, dst)
+        return True
+    except OSError as exc:
+        if exc.errno not in NO_LINKS:
+            raise
+    shutil.copyfile(src, dst)
+    fd = os.open(dst, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return False
+
+
+async def batched(body: AsyncIterable[bytes], *, chunk_bytes: int, max_pieces: int = 512) -> AsyncIterator[list[bytes]]:
+    """Group network chunks into lists of at least ``chunk_bytes`` (at most ``max_pieces``, under IOV_MAX)."""
+    pieces: list[bytes] = []
+    held = 0
+    async for piece in body:
+        if not piece:
+            continue
+        pieces.append(piece)
+        held += len(piece)
+        if held >= chunk_bytes or len(pieces) >= max_pieces:
+            yield pieces
+            pieces, held = [], 0
+    if pieces:
+        yield pieces
+
+
+# -- recovery, sweeps and walks (blocking: the store runs each on a worker thread) --------------------------------
+
+
+def roll_forward_file(tmp: Path, final: Path, stamp: str, fsync: bool) -> bool:
+    """Rename the staged file ``tmp`` over ``final`` if it is version ``stamp`` and no writer holds it."""
+    try:
+        fd = os.open(tmp, os.O_RDWR | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    try:
+        if not lock_file(fd) or read_stamp(fd, os.fstat(fd)) != stamp:
+            return False  # a live writer's file (it publishes it itself), or not that version
+        os.replace(tmp, final)
+        if fsync:
+            fsync_dir(final.parent)
+        return True
+    finally:
+        os.close(fd)
+
+
+def restamp_file(path: Path, stamp: str, fsync: bool) -> str | None:
+    """A new stamp of ours for the file at ``path`` if it is still version ``stamp``; None if it is not."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    try:
+        if read_stamp(fd, os.fstat(fd)) != stamp:
+            return None
+        new = seal_stamp(fd, vid=new_id())
+        if fsync:
+            os.fsync(fd)
+        return new
+    finally:
+        os.close(fd)
+
+
+def find_leftovers(root: Path) -> list[tuple[str, str, str]]:
+    """(key, stamp, path) of every staged file under ``root`` that no writer holds ("" key: not parseable)."""
+    found: list[tuple[str, str, str]] = []
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for name in filenames:
+            if not name.startswith(TEMP_PREFIX):
+                continue
+            path = os.path.join(dirpath, name)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                if not lock_file(fd):
+                    continue  # its writer is alive
+                stamp = read_stamp(fd, os.fstat(fd))
+            finally:
+                os.close(fd)
+            parsed = parse_temp(name)
+            rel_dir = os.path.relpath(dirpath, root)
+            key = "" if parsed is None else (parsed[1] if rel_dir == "." else f"{rel_dir}/{parsed[1]}")
+            found.append((key.replace(os.sep, "/"), stamp, path))
+    return found
+
+
+def drop_unlocked(path: Path) -> bool:
+    """Unlink the staged file ``path`` unless a writer holds it; False if it is gone or held."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    try:
+        if not lock_file(fd):
+            return False
+        path.unlink()
+        return True
+    finally:
+        os.close(fd)
+
+
+def hash_file(path: Path, chunk: int, claim: bool, fsync: bool) -> ObjectMeta:
+    """The size, sha256 and stamp of the file at ``path``; ``claim``: a file without a stamp of ours gets one."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        checker = BodyChecker(size=st.st_size, expected_digest=None)
+        pos = 0
+        while pos < st.st_size:
+            data = os.pread(fd, min(chunk, st.st_size - pos), pos)
+            if not data:
+                raise BackendUnavailable("block file shrank while being read")
+            checker.update(data)
+            pos += len(data)
+        meta = checker.finish()
+        stamp = read_stamp(fd, st)
+        if claim and id_of(stamp) is None and os.fstat(fd).st_mtime_ns == st.st_mtime_ns:
+            try:
+                stamp = seal_stamp(fd, vid=new_id())
+                if fsync:
+                    os.fsync(fd)
+            except PermissionError:
+                pass  # not ours to stamp (another owner): it keeps its inode:mtime stamp
+        return ObjectMeta(size=meta.size, digest=meta.digest, stamp=stamp)
+    finally:
+        os.close(fd)
+
+
+def walk_files(root: Path, prefix: str) -> list[ObjectInfo]:
+    """Every published file under ``root`` whose key starts with ``prefix`` (dot files and directories skipped)."""
+    found: list[ObjectInfo] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        rel_dir = os.path.relpath(dirpath, root)
+        for name in sorted(filenames):
+            if name.startswith("."):
+                continue
+            rel = name if rel_dir == "." else f"{rel_dir}/{name}"
+            if not rel.startswith(prefix):
+                continue
+            path = os.path.join(dirpath, name)
+            try:
+                st = os.stat(path)
+                stamp = read_stamp(path, st)
+            except FileNotFoundError:
+                continue
+            found.append(ObjectInfo(key=rel.replace(os.sep, "/"), size=st.st_size, mtime=st.st_mtime, stamp=stamp))
+    return found
+
+
+def sweep_empty_dirs(top: Path, older_than_s: float) -> int:
+    """Remove empty directories below ``top`` untouched for ``older_than_s``; how many."""
+    removed = 0
+    cutoff = time.time() - older_than_s
+    for dirpath, _dirnames, _filenames in os.walk(top, topdown=False):
+        if dirpath == str(top):
+            continue
+        try:
+            if os.stat(dirpath).st_mtime <= cutoff:
+                os.rmdir(dirpath)  # fails on a directory that is not empty (or no longer is)
+                removed += 1
+        except OSError:
+            pass
+    return removed

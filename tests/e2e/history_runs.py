@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -164,16 +165,23 @@ def run_fs(root: Path, *, seconds: float, seed: int = 1, workers: int = 6, keys:
         files = {k: s for k, s in block_files(gw.data_dir).items() if k in names}
         assert rows == files, "index rows and files differ"
         assert set(rows) == {k for k, v in final.items() if v is not None}
-        _stats_agree(gw.url, index_rows(gw.data_dir))
+        _stats_agree(gw.url, index_rows(gw.data_dir), _sqlite_part_bytes(gw.data_dir))
     finally:
         gw.stop()
     verdict = check(history, final)
     return RunReport(verdict, history, faults.kills, tools.runs, time.monotonic() - began)
 
 
-def _stats_agree(url: str, rows: dict[str, int]) -> None:
+def _stats_agree(url: str, rows: dict[str, int], part_bytes: int) -> None:
+    """/v1/stats counts the rows, and their bytes with those of the stored parts of incomplete objects."""
     stats: dict[str, Any] = httpx.get(f"{url}/v1/stats", timeout=10).json()
-    assert (stats["blocks"], stats["usage_bytes"]) == (len(rows), sum(rows.values())), (stats, len(rows))
+    expected = (len(rows), sum(rows.values()) + part_bytes)
+    assert (stats["blocks"], stats["usage_bytes"]) == expected, (stats, expected)
+
+
+def _sqlite_part_bytes(data_dir: Path) -> int:
+    with sqlite3.connect(data_dir / "index.db") as conn:
+        return int(conn.execute('SELECT COALESCE(SUM("end" - start), 0) FROM parts').fetchone()[0])
 
 
 def run_replicas(
@@ -181,6 +189,7 @@ def run_replicas(
     *,
     env: dict[str, str],
     rows_of: Callable[[], dict[str, tuple[int, str | None]]],
+    part_bytes: Callable[[], int],
     has_object: Callable[[str, str | None, int], bool],
     seconds: float,
     seed: int = 1,
@@ -188,8 +197,8 @@ def run_replicas(
     workers: int = 6,
     keys: int = 24,
 ) -> RunReport:
-    """``rows_of()``: key -> (size, stamp) of the index rows; ``has_object(key, stamp, size)``: the row's version
-    object is stored with that size."""
+    """``rows_of()``: key -> (size, stamp) of the index rows; ``part_bytes()``: bytes of the stored parts of
+    incomplete objects; ``has_object(key, stamp, size)``: the row's version object is stored with that size."""
     began = time.monotonic()
     history = History()
     gateways = [Gateway(root / f"g{i}", env={**env, **SWEEP_UPLOADS}) for i in range(replicas)]
@@ -212,7 +221,7 @@ def run_replicas(
         missing = [k for k, (size, stamp) in rows.items() if not has_object(k, stamp, size)]
         assert not missing, f"rows without their object: {missing[:5]}"
         for g in gateways:
-            _stats_agree(g.url, {k: size for k, (size, _) in rows.items()})
+            _stats_agree(g.url, {k: size for k, (size, _) in rows.items()}, part_bytes())
     finally:
         for g in gateways:
             g.stop()

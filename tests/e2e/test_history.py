@@ -45,6 +45,18 @@ def test_history_replicas_on_seaweedfs_and_postgresql(
 
         return asyncio.run(q())
 
+    def part_bytes() -> int:
+        async def q() -> int:
+            import asyncpg
+
+            conn = await asyncpg.connect(asyncpg_dsn(db_url))
+            try:
+                return int(await conn.fetchval('SELECT COALESCE(SUM("end" - start), 0) FROM parts'))
+            finally:
+                await conn.close()
+
+        return asyncio.run(q())
+
     def has_object(key: str, stamp: str | None, size: int) -> bool:
         async def q() -> bool:
             name = f"{prefix}/{key}" + ("" if stamp is None else f".v{stamp}")
@@ -58,7 +70,9 @@ def test_history_replicas_on_seaweedfs_and_postgresql(
         return asyncio.run(q())
 
     try:
-        report = run_replicas(tmp_path, env=env, rows_of=rows_of, has_object=has_object, seconds=SECONDS, seed=11)
+        report = run_replicas(
+            tmp_path, env=env, rows_of=rows_of, part_bytes=part_bytes, has_object=has_object, seconds=SECONDS, seed=11
+        )
     finally:
         asyncio.run(pg_server.drop_database(db_url))
     print("\n".join(report.lines()))

@@ -32,11 +32,10 @@ from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 
 from app.core.versions import Change, Versions
-from app.errors import BlockNotFound, Conflict, DigestMismatch, InvalidRequest, RangeNotSatisfiable, SizeMismatch
+from app.errors import BlockNotFound, Conflict, DigestMismatch, SizeMismatch
 from app.index import Index, PartRecord
 from app.storage import BlockStore
 from app.storage.base import BodyChecker, Region
-from contract import wire
 from contract.keys import BlockKey, InvalidKey, parse_block_key
 from contract.wire import ByteSpan as ByteSpan  # its home before contract.wire
 
@@ -61,16 +60,6 @@ def one_upload(parts: list[PartRecord]) -> str | None:
     if len(keys) == 1 and in_upload(parts[0]):
         return keys.pop()
     return None
-
-
-def parse_content_range(value: str) -> ByteSpan:
-    """``bytes a-b/total`` (inclusive ``b``) -> ByteSpan (contract.wire); 400 if malformed, 416 past ``total``."""
-    try:
-        return wire.parse_content_range(value)
-    except wire.RangeNotSatisfiable as exc:
-        raise RangeNotSatisfiable(str(exc), size=exc.size) from exc
-    except wire.MalformedHeader as exc:
-        raise InvalidRequest(str(exc)) from exc
 
 
 @dataclass(frozen=True, slots=True)

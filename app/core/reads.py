@@ -7,27 +7,11 @@ import logging
 from collections.abc import AsyncIterator
 
 from app.core.keystate import BlockMeta
-from app.errors import BlockNotFound, DigestMismatch, InvalidRequest, RangeNotSatisfiable, SizeMismatch
+from app.errors import BlockNotFound, DigestMismatch, SizeMismatch
 from app.storage import ObjectReader
 from app.storage.base import BodyChecker
-from contract import wire
 
 log = logging.getLogger("kvgate.reads")
-
-
-def resolve_range(spec: str | None, size: int) -> tuple[int, int] | None:
-    """Parse a single ``bytes=a-b`` / ``bytes=a-`` / ``bytes=-n`` range into half-open ``[start, end)``.
-
-    400 if malformed or several ranges; 416 if it selects nothing of a ``size``-byte object.
-    """
-    if spec is None:
-        return None
-    try:
-        return wire.parse_range(spec, size=size)
-    except wire.RangeNotSatisfiable as exc:
-        raise RangeNotSatisfiable(str(exc), size=exc.size) from exc
-    except wire.MalformedHeader as exc:
-        raise InvalidRequest(str(exc)) from exc
 
 
 class OpenBlock:

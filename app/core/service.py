@@ -34,7 +34,6 @@ from contract.keys import (
     check_block_paths,
     check_namespace_fields,
     config_path,
-    parse_block_key,
     parse_namespace,
 )
 
@@ -73,13 +72,6 @@ class Repair(Protocol):
     """Upkeep's repair of one key (app/core/upkeep.py), for a reader that found no version its row names."""
 
     async def repair(self, key: BlockKey) -> object: ...
-
-
-def parse_key(path: str) -> BlockKey:
-    try:
-        return parse_block_key(path)
-    except InvalidKey as exc:
-        raise InvalidRequest(str(exc)) from exc
 
 
 class BlockService:
@@ -219,10 +211,7 @@ class BlockService:
 
     async def lookup(self, paths: list[str]) -> tuple[int, list[tuple[int, str] | None]]:
         """Length of the longest present prefix of ``paths``, and each path's (size, digest) (None: absent)."""
-        try:  # a path that parses is its own canonical form: the index is asked for the paths as sent
-            check_block_paths(paths)
-        except InvalidKey as exc:
-            raise InvalidRequest(str(exc)) from exc
+        check_block_paths(paths)  # InvalidKey: a 400; a path that parses is its own canonical form
         found = await self._index.sizes_many(paths)
         slots = [found.get(p) for p in paths]
         prefix = 0
@@ -254,10 +243,7 @@ class BlockService:
 
     async def put_config(self, namespace: str, fields: dict[str, Any], raw: bytes) -> bool:
         """Store a namespace's fields (checked against its name); True if new. ``raw`` is stored verbatim."""
-        try:
-            parse_namespace(namespace)
-        except InvalidKey as exc:
-            raise InvalidRequest(str(exc)) from exc
+        parse_namespace(namespace)  # InvalidKey: a 400
         if len(raw) > MAX_CONFIG_BYTES:
             raise InvalidRequest(f"namespace config is {len(raw)} bytes; at most {MAX_CONFIG_BYTES}")
         if not isinstance(fields.get("model_name"), str):
@@ -282,10 +268,7 @@ class BlockService:
         return created
 
     async def get_config(self, namespace: str) -> dict[str, Any]:
-        try:
-            parse_namespace(namespace)
-        except InvalidKey as exc:
-            raise InvalidRequest(str(exc)) from exc
+        parse_namespace(namespace)  # InvalidKey: a 400
         record = await self._index.get_namespace(namespace)
         if record is None:
             raise NamespaceNotFound(namespace)

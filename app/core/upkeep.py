@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from app.core.keystate import BlockMeta
 from app.core.parts import PartAssembler
 from app.core.versions import Change, Versions
-from app.errors import BlockNotFound, InvalidRequest, KVGateError, NamespaceNotFound
+from app.errors import BlockNotFound, KVGateError, NamespaceNotFound
 from app.index import ABSENT, Candidate, Index, NamespaceUsage, Upload
 from app.storage import BlockStore
 from app.storage.base import Leftover, ObjectMeta
@@ -121,10 +121,7 @@ class Upkeep:
 
     async def purge(self, namespace: str) -> PurgeReport:
         """Remove a namespace: its blocks (rows, then data), data no row describes, incomplete uploads, config."""
-        try:
-            parse_namespace(namespace)
-        except InvalidKey as exc:
-            raise InvalidRequest(str(exc)) from exc
+        parse_namespace(namespace)  # InvalidKey: a 400
         blocks = await self._index.namespace_blocks(namespace)
         has_config = await self._index.get_namespace(namespace) is not None
         known = {k for k, _ in blocks}

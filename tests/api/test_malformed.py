@@ -7,8 +7,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from app.core.reads import resolve_range
-from app.errors import InvalidRequest, RangeNotSatisfiable
+from app.api.errors import lookup
+from app.errors import RangeNotSatisfiable
+from contract import wire
+from contract.wire import MalformedHeader
 from tests.conftest import TEST_NS, key_for
 
 
@@ -62,8 +64,9 @@ async def test_bad_namespace_config_is_4xx_and_stores_nothing(client: httpx.Asyn
 def test_resolve_range_never_fails_otherwise(spec: str, size: int) -> None:
     """Any header value: a range inside the object, or a 400/416 error; never another exception."""
     try:
-        got = resolve_range(spec, size)
-    except (InvalidRequest, RangeNotSatisfiable):
+        got = wire.parse_range(spec, size=size)
+    except (MalformedHeader, RangeNotSatisfiable) as exc:
+        assert lookup(exc)[0] in (400, 416)
         return
     assert got is not None
     start, end = got

@@ -15,9 +15,9 @@ from collections.abc import AsyncIterator
 import pytest
 
 from app.core.assembly import Core
-from app.core.service import parse_key
 from app.errors import BlockNotFound
 from app.index import Candidate
+from contract.keys import parse_block_key
 from tests.conftest import key_for
 from tests.unit.inprocess import Gateway
 
@@ -34,7 +34,7 @@ def core(gw: Gateway) -> Core:
 @pytest.mark.parametrize("change", ["evict", "delete"])
 async def test_read_inside_a_removal_is_not_cached(core: Core, change: str) -> None:
     service = core.service
-    key = parse_key(key_for(1))
+    key = parse_block_key(key_for(1))
     data = b"x" * 4096
     await service.put(key, _body(data), size=len(data), digest=hashlib.sha256(data).hexdigest(), create_only=False)
     async with core.versions.change(key.path):

@@ -16,10 +16,10 @@ from app.config import Settings
 from app.core.events import parse_meta_header, writer_meta
 from app.core.keystate import BlockMeta
 from app.core.reads import OpenBlock, read_range_verified
-from app.core.service import BlockService, parse_key
+from app.core.service import BlockService
 from app.errors import InvalidRequest, LengthRequired, PayloadTooLarge
 from contract import wire
-from contract.keys import BlockKey
+from contract.keys import BlockKey, parse_block_key
 from contract.wire import BLOCK_META_HEADER, DIGEST_HEADER, PART_DIGEST_HEADER, RANGE_DIGEST_HEADER
 
 router = APIRouter(prefix="/v1/blocks", tags=["blocks"], route_class=ThinRoute)  # the data path: cheap binding
@@ -145,7 +145,7 @@ async def put_block(
         str | None, Header(alias=BLOCK_META_HEADER, description="`parent=<hex>; tokens=1,2,3`: for the KV events")
     ] = None,
 ) -> Response:
-    key = parse_key(path)
+    key = parse_block_key(path)
     if x_kvgate_block_meta is not None:
         writer_meta.set(parse_meta_header(x_kvgate_block_meta))
     if content_length is None:
@@ -199,7 +199,7 @@ async def get_block(
     cfg: Annotated[Settings, Depends(settings)],
     range_: Annotated[str | None, Header(alias="Range")] = None,
 ) -> Response:
-    key = parse_key(path)
+    key = parse_block_key(path)
     block = await svc.open(key)
     try:
         span = None if range_ is None else wire.parse_range(range_, size=block.meta.size)
@@ -225,7 +225,7 @@ async def get_block(
     responses={200: {"description": "present; Content-Length is its size"}, **documented(400, 404, 503)},
 )
 async def head_block(path: str, svc: Annotated[BlockService, Depends(service)]) -> Response:
-    meta = await svc.head(parse_key(path))
+    meta = await svc.head(parse_block_key(path))
     return Response(status_code=200, headers={**meta_headers(meta), "content-length": str(meta.size)})
 
 
@@ -237,5 +237,5 @@ async def head_block(path: str, svc: Annotated[BlockService, Depends(service)]) 
     responses=documented(400, 404, 503),
 )
 async def delete_block(path: str, svc: Annotated[BlockService, Depends(service)]) -> Response:
-    await svc.delete(parse_key(path))
+    await svc.delete(parse_block_key(path))
     return Response(status_code=204)

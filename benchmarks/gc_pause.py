@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from app.core.keystate import BlockMeta
+from app.storage.base import Version
 from tests.conftest import key_for
 from tests.unit.inprocess import running, settings_for
 
@@ -51,7 +51,7 @@ async def run(*, entries: int, repeat: int) -> None:
             a = timed("start-up frozen (as served)", repeat, frozen=True)
             b = timed("start-up unfrozen (before)", repeat, frozen=False)
             for i in range(entries):
-                gw.service.cache.put(BlockMeta(key=key_for(i), size=4096, digest=f"{i:064x}", stamp="0" * 32))
+                gw.core.cache.made(Version(key=key_for(i), size=4096, digest=f"{i:064x}", stamp="0" * 32), epoch=0)
             c = timed(f"+ {entries} cached entries, start-up frozen", repeat, frozen=True)
             d = timed(f"+ {entries} cached entries, unfrozen", repeat, frozen=False)
     print(f"\nfrozen/unfrozen pause: fresh {a / b:.3f}, cache full {c / d:.3f}")

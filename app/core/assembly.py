@@ -29,6 +29,7 @@ from app.storage import BlockStore
 class Core:
     store: BlockStore
     index: Index
+    cache: MetaCache
     versions: Versions
     upkeep: Upkeep
     capacity: Capacity
@@ -56,7 +57,15 @@ async def open_core(
             versions=versions, parts=parts, admission=capacity, repair=upkeep, store=store, index=index, events=events
         )
         try:
-            yield Core(store=store, index=index, versions=versions, upkeep=upkeep, capacity=capacity, service=service)
+            yield Core(
+                store=store,
+                index=index,
+                cache=meta_cache,
+                versions=versions,
+                upkeep=upkeep,
+                capacity=capacity,
+                service=service,
+            )
         finally:
             await capacity.close()
             await versions.close()

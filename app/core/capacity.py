@@ -29,7 +29,7 @@ from app.core.coordination import Coordinator
 from app.core.upkeep import Upkeep
 from app.core.usage import Usage
 from app.errors import InsufficientStorage, KVGateError
-from app.index import Candidate, Index, Upload
+from app.index import BlockRecord, Index, Upload
 
 log = logging.getLogger("kvgate.capacity")
 
@@ -179,23 +179,23 @@ class Capacity:
             log.info("evicted=%s namespace=%s usage_bytes=%s", evicted, namespace, self.usage.bytes)
         return evicted
 
-    async def _choose(self, target_bytes: int, namespace: str | None) -> list[Candidate | Upload]:
+    async def _choose(self, target_bytes: int, namespace: str | None) -> list[BlockRecord | Upload]:
         blocks = await self._index.lru_candidates(limit=self.batch, namespace=namespace)
         uploads = await self._index.uploads(namespace=namespace)
-        ordered: list[tuple[float, Candidate | Upload]] = [(c.last_access, c) for c in blocks]
+        ordered: list[tuple[float, BlockRecord | Upload]] = [(c.last_access, c) for c in blocks]
         ordered += [(u.last_part_at, u) for u in uploads]
         ordered.sort(key=lambda item: item[0])
-        chosen: list[Candidate | Upload] = []
+        chosen: list[BlockRecord | Upload] = []
         projected = self._current(namespace)
         for _, item in ordered:
             if projected <= target_bytes:
                 break
             chosen.append(item)
-            projected -= item.size if isinstance(item, Candidate) else item.bytes
+            projected -= item.size if isinstance(item, BlockRecord) else item.bytes
         return chosen
 
-    async def _remove(self, chosen: list[Candidate | Upload]) -> int:
-        blocks = [c for c in chosen if isinstance(c, Candidate)]
+    async def _remove(self, chosen: list[BlockRecord | Upload]) -> int:
+        blocks = [c for c in chosen if isinstance(c, BlockRecord)]
         gone = await self._upkeep.evict(blocks)
         freed = sum(c.size for c in gone)
         dropped = 0

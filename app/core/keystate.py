@@ -12,17 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from app.core.coordination import Coordinator, Epochs, LocalEpochs, stripe_of
-
-
-@dataclass(frozen=True, slots=True)
-class BlockMeta:
-    """One version of a block, as its index row names it: everything a reader answers with comes from here."""
-
-    key: str
-    size: int
-    digest: str
-    stamp: str | None = None
-    """The stored version (app.storage.base.Staged.stamp): a reader opens exactly this one."""
+from app.storage.base import Version
 
 
 @dataclass(slots=True)
@@ -91,13 +81,13 @@ class MetaCache:
         self._entries = entries
         self._ttl = ttl_s
         self.epochs: Epochs = epochs if epochs is not None else LocalEpochs()
-        self._data: OrderedDict[str, tuple[BlockMeta, int, float]] = OrderedDict()
+        self._data: OrderedDict[str, tuple[Version, int, float]] = OrderedDict()
 
     @property
     def enabled(self) -> bool:
         return self._entries > 0 and self._ttl != 0
 
-    def get(self, key: str) -> BlockMeta | None:
+    def get(self, key: str) -> Version | None:
         item = self._data.get(key)
         if item is None:
             return None
@@ -113,19 +103,19 @@ class MetaCache:
     def epoch_of(self, key: str) -> int:
         return self.epochs.get(stripe_of(key))
 
-    def fill(self, meta: BlockMeta, *, read_at_epoch: int) -> None:
+    def fill(self, meta: Version, *, read_at_epoch: int) -> None:
         """Remember ``meta`` read from the index when the key's epoch was ``read_at_epoch`` (ignored if a change
         was in flight then, or has been since)."""
         if read_at_epoch % 2 == 0 and read_at_epoch == self.epoch_of(meta.key):
             self._put(meta, read_at_epoch)
 
-    def made(self, meta: BlockMeta, *, epoch: int) -> None:
+    def made(self, meta: Version, *, epoch: int) -> None:
         """The row a change just made; ``epoch`` is the one the change left (``Held.end_epoch``): if another change
         of the key has begun since, the entry is stale at once and never served."""
         if epoch % 2 == 0:
             self._put(meta, epoch)
 
-    def _put(self, meta: BlockMeta, epoch: int) -> None:
+    def _put(self, meta: Version, epoch: int) -> None:
         if not self.enabled:
             return
         self._data[meta.key] = (meta, epoch, time.monotonic())

@@ -6,10 +6,9 @@ import hashlib
 import logging
 from collections.abc import AsyncIterator
 
-from app.core.keystate import BlockMeta
 from app.errors import BlockNotFound, DigestMismatch, SizeMismatch
 from app.storage import ObjectReader
-from app.storage.base import BodyChecker
+from app.storage.base import BodyChecker, Version
 
 log = logging.getLogger("kvgate.reads")
 
@@ -17,7 +16,7 @@ log = logging.getLogger("kvgate.reads")
 class OpenBlock:
     """A block version opened for reading: its metadata and a reader of exactly that version."""
 
-    def __init__(self, meta: BlockMeta, reader: ObjectReader) -> None:
+    def __init__(self, meta: Version, reader: ObjectReader) -> None:
         self.meta = meta
         self.reader = reader
 

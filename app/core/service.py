@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from app.core.events import NO_EVENTS, EventSink
-from app.core.keystate import BlockMeta
 from app.core.parts import ByteSpan, PartAssembler, PartOutcome
 from app.core.reads import OpenBlock
 from app.core.versions import Versions
@@ -27,7 +26,7 @@ from app.errors import (
 )
 from app.index import ABSENT, ANY, Index
 from app.storage import BlockStore
-from app.storage.base import BodyChecker
+from app.storage.base import BodyChecker, Version
 from contract.keys import (
     BlockKey,
     InvalidKey,
@@ -46,7 +45,7 @@ OPEN_ATTEMPTS = 3
 
 @dataclass(frozen=True, slots=True)
 class PutResult:
-    meta: BlockMeta
+    meta: Version
     created: bool
 
 
@@ -175,7 +174,7 @@ class BlockService:
         await self._store.check()
         await self._index.check()
 
-    async def head(self, key: BlockKey) -> BlockMeta:
+    async def head(self, key: BlockKey) -> Version:
         meta = await self._versions.read(key.path)
         if meta is None:
             self.counters.misses += 1

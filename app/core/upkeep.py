@@ -19,13 +19,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from app.core.keystate import BlockMeta
 from app.core.parts import PartAssembler
 from app.core.versions import Change, Versions
 from app.errors import BlockNotFound, KVGateError, NamespaceNotFound
-from app.index import ABSENT, Candidate, Index, NamespaceUsage, Upload
+from app.index import ABSENT, BlockRecord, Index, NamespaceUsage, Upload
 from app.storage import BlockStore
-from app.storage.base import Leftover, ObjectMeta
+from app.storage.base import Leftover, Version
 from contract.keys import BlockKey, InvalidKey, config_path, parse_block_key, parse_namespace
 
 log = logging.getLogger("kvgate.upkeep")
@@ -82,11 +81,11 @@ class Upkeep:
 
     # -- eviction and uploads ---------------------------------------------------------------------------------
 
-    async def evict(self, candidates: Sequence[Candidate]) -> list[Candidate]:
+    async def evict(self, candidates: Sequence[BlockRecord]) -> list[BlockRecord]:
         """Remove each candidate whose row still names the version chosen; the ones removed."""
         sem = asyncio.Semaphore(REMOVE_CONCURRENCY)
 
-        async def one(c: Candidate) -> bool:
+        async def one(c: BlockRecord) -> bool:
             async with sem, self._versions.change(c.key) as change:
                 try:
                     return await change.remove(expect=c.stamp) is not None
@@ -195,16 +194,16 @@ class Upkeep:
             await store.remove(key.path, stamp=found.stamp)  # the bytes found, and only them
         return Settled.CORRUPT
 
-    async def adopt(self, key: BlockKey) -> BlockMeta | None:
+    async def adopt(self, key: BlockKey) -> Version | None:
         """Record the data stored under ``key`` if no row names a version of it (``kvgate import`` in place,
         reconcile's data without a row); the version recorded or kept, None if there is no data."""
         async with self._versions.change(key.path) as change:
             row = await change.row()
             if row is not None:
-                return BlockMeta(key=row.key, size=row.size, digest=row.digest, stamp=row.stamp)
+                return Version(key=row.key, size=row.size, digest=row.digest, stamp=row.stamp)
             return await self._adopt_locked(change, key)
 
-    async def _adopt_locked(self, change: Change, key: BlockKey) -> BlockMeta | None:
+    async def _adopt_locked(self, change: Change, key: BlockKey) -> Version | None:
         try:
             claimed = await self._store.claim(key.path)
         except BlockNotFound:
@@ -222,8 +221,8 @@ class Upkeep:
             new = await self._store.restamp(key.path, stamp=stamp)
             if new is None:
                 return False
-            meta = BlockMeta(key=key.path, size=row.size, digest=row.digest, stamp=new)
-            return (await change.record(key, _object(meta), expect=stamp, created_at=row.created_at)).written
+            meta = Version(key=key.path, size=row.size, digest=row.digest, stamp=new)
+            return (await change.record(key, meta, expect=stamp, created_at=row.created_at)).written
 
     async def settle_leftover(self, leftover: Leftover) -> str:
         """A staged version whose writer is gone: published if its key's row names it ("rolled"), else removed
@@ -259,7 +258,3 @@ class Upkeep:
         else:
             configured = {namespace} if await self._index.get_namespace(namespace) is not None else set()
         return NamespaceViews(usage=usage, configured=configured)
-
-
-def _object(meta: BlockMeta) -> ObjectMeta:
-    return ObjectMeta(size=meta.size, digest=meta.digest, stamp=meta.stamp)

@@ -31,12 +31,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from app.core.events import NO_EVENTS, EventSink
-from app.core.keystate import BlockMeta, KeyLocks, MetaCache
+from app.core.keystate import KeyLocks, MetaCache
 from app.core.usage import Usage
 from app.errors import BackendUnavailable, KVGateError
 from app.index import ANY, BlockRecord, Expect, Index
 from app.storage import BlockStore
-from app.storage.base import ObjectMeta, Staged
+from app.storage.base import Staged, Version
 from contract.keys import BlockKey
 
 log = logging.getLogger("kvgate.versions")
@@ -50,15 +50,15 @@ RETIRE_AFTER_S = 5.0
 that opened it just before has started reading it (an S3 GET in progress reads to the end after a delete)."""
 
 
-def meta_of(record: BlockRecord) -> BlockMeta:
-    return BlockMeta(key=record.key, size=record.size, digest=record.digest, stamp=record.stamp)
+def meta_of(record: BlockRecord) -> Version:
+    return Version(key=record.key, size=record.size, digest=record.digest, stamp=record.stamp)
 
 
 @dataclass(frozen=True, slots=True)
 class Committed:
     """What a commit found and did."""
 
-    meta: BlockMeta
+    meta: Version
     """The key's version now (the new one if written, else the one kept)."""
     old: BlockRecord | None
     """The row before the change."""
@@ -97,7 +97,7 @@ class Versions:
 
     # -- reads ------------------------------------------------------------------------------------------------
 
-    async def read(self, key: str, *, fresh: bool = False) -> BlockMeta | None:
+    async def read(self, key: str, *, fresh: bool = False) -> Version | None:
         """The version the key's row names (from the cache unless ``fresh``), or None."""
         meta = None if fresh else self._cache.get(key)
         if meta is not None:
@@ -179,7 +179,7 @@ class Change:
     def __init__(self, versions: Versions, key: str) -> None:
         self._v = versions
         self.key = key
-        self.made: BlockMeta | None = None
+        self.made: Version | None = None
         """The version this change left the key with, for the cache once the key is released."""
 
     async def row(self) -> BlockRecord | None:
@@ -223,7 +223,7 @@ class Change:
         return Committed(meta=self.made, old=swap.old, written=True)
 
     async def record(
-        self, key: BlockKey, stored: ObjectMeta, *, expect: Expect, created_at: float | None = None
+        self, key: BlockKey, stored: Version, *, expect: Expect, created_at: float | None = None
     ) -> Committed:
         """Record a version that is already in place (found by reconcile or import, re-stamped, or the one left
         on disk when the row's own is gone), if the row is what ``expect`` says."""

@@ -74,18 +74,6 @@ class NamespaceUsage:
 
 
 @dataclass(frozen=True, slots=True)
-class Candidate:
-    """A block that eviction may remove: least recently used first."""
-
-    key: str
-    namespace: str
-    size: int
-    created_at: float
-    stamp: str | None = None
-    last_access: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
 class Upload:
     """An incomplete multi-part object: its stored parts count against capacity until it completes or is dropped."""
 

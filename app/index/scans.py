@@ -6,7 +6,7 @@ from sqlalchemy import Connection, case, delete, func, select
 
 from app.index.engine import guard
 from app.index.models import Block, Namespace, Part, Usage
-from app.index.records import Candidate, NamespaceUsage, Upload
+from app.index.records import BlockRecord, NamespaceUsage, Upload, block_record
 from app.index.writer import GroupCommit
 
 
@@ -62,26 +62,16 @@ class Scans(GroupCommit):
 
         return await guard(q(), "scan")
 
-    async def lru_candidates(self, *, limit: int, namespace: str | None = None) -> list[Candidate]:
-        """The ``limit`` least recently used blocks (last access, then creation time, then key)."""
+    async def lru_candidates(self, *, limit: int, namespace: str | None = None) -> list[BlockRecord]:
+        """The rows of the ``limit`` least recently used blocks (last access, then creation time, then key)."""
 
-        async def q() -> list[Candidate]:
-            stmt = select(Block.key, Block.namespace, Block.size, Block.created_at, Block.stamp, Block.last_access)
+        async def q() -> list[BlockRecord]:
+            stmt = select(Block)
             if namespace is not None:
                 stmt = stmt.where(Block.namespace == namespace)
             stmt = stmt.order_by(Block.last_access, Block.created_at, Block.key).limit(limit)
             async with self.engine.connect() as conn:
-                return [
-                    Candidate(
-                        key=r.key,
-                        namespace=r.namespace,
-                        size=int(r.size),
-                        created_at=float(r.created_at),
-                        stamp=r.stamp,
-                        last_access=float(r.last_access),
-                    )
-                    for r in await conn.execute(stmt)
-                ]
+                return [block_record(r) for r in await conn.execute(stmt)]
 
         return await guard(q(), "read")
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from app.config import Backend, FsBackend, MemoryBackend, Settings
-from app.storage.base import BlockStore, ObjectInfo, ObjectMeta, ObjectReader
+from app.storage.base import BlockStore, ObjectInfo, ObjectReader, Version
 
 
 def build_store(cfg: Backend, *, settings: Settings) -> BlockStore:
@@ -22,4 +22,4 @@ def build_store(cfg: Backend, *, settings: Settings) -> BlockStore:
     return S3Store(cfg=cfg, chunk_bytes=settings.io_chunk_bytes)
 
 
-__all__ = ["BlockStore", "ObjectInfo", "ObjectMeta", "ObjectReader", "build_store"]
+__all__ = ["BlockStore", "ObjectInfo", "ObjectReader", "Version", "build_store"]

@@ -12,12 +12,17 @@ from app.errors import BlockNotFound, DigestMismatch, SizeMismatch, VersionMisma
 
 
 @dataclass(frozen=True, slots=True)
-class ObjectMeta:
+class Version:
+    """One version of a block (or of any stored object): the size and digest of its bytes, the store's stamp for
+    it where the store names versions, and its key where one is known (a body checked on its way in has none yet).
+    What a store returns, what the core answers with (HEAD, GET, PUT), all one type."""
+
     size: int
     digest: str
     """Hex sha256 of the whole object."""
     stamp: str | None = None
-    """The version these bytes were read from, where the store names versions (``digest``)."""
+    """The version these bytes are (``Staged.stamp``): a reader opens exactly this one."""
+    key: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +45,7 @@ class Staged:
     """
 
     key: str
-    meta: ObjectMeta
+    meta: Version
     stamp: str
     handle: object
     """The store's own reference to the written bytes (a temp path, an object name, the bytes)."""
@@ -105,7 +110,7 @@ class BlockStore(Protocol):
 
     async def put(
         self, key: str, body: AsyncIterable[bytes], *, size: int, expected_digest: str | None = None
-    ) -> ObjectMeta:
+    ) -> Version:
         """Store exactly ``size`` bytes under ``key``, atomically: readers see the old object or the new one.
 
         The sha256 is computed while streaming; on a short/long body (SizeMismatch), a digest that is not
@@ -141,7 +146,7 @@ class BlockStore(Protocol):
     def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
         """Every stored object whose key starts with ``prefix`` (published objects only, never staged data)."""
 
-    async def digest(self, key: str) -> ObjectMeta:
+    async def digest(self, key: str) -> Version:
         """Read the object under ``key`` back and compute its metadata, with its stamp (used by reconcile)."""
 
     # -- abilities with do-nothing defaults -------------------------------------------------------------------
@@ -172,7 +177,7 @@ class BlockStore(Protocol):
         never change)."""
         return None
 
-    async def claim(self, key: str) -> ObjectMeta:
+    async def claim(self, key: str) -> Version:
         """The data under ``key`` (written by another program, or from before version stamps), read back, hashed
         and given a version stamp of this store's own where it keeps them; BlockNotFound if there is none.
         Default: its digest, with whatever stamp it has."""
@@ -239,13 +244,13 @@ class BodyChecker:
             raise SizeMismatch(f"body is longer than Content-Length {self.size}")
         self._hasher.update(chunk)
 
-    def finish(self) -> ObjectMeta:
+    def finish(self) -> Version:
         if self._received != self.size:
             raise SizeMismatch(f"body ended after {self._received} of {self.size} bytes")
         digest = self._hasher.hexdigest()
         if self.expected_digest is not None and digest != self.expected_digest:
             raise DigestMismatch(f"body sha256 is {digest}, the request said {self.expected_digest}")
-        return ObjectMeta(size=self.size, digest=digest)
+        return Version(size=self.size, digest=digest)
 
 
 async def coalesce(body: AsyncIterable[bytes], *, chunk_bytes: int) -> AsyncIterator[bytes]:

@@ -25,9 +25,9 @@ from app.storage.base import (
     ClosingReader,
     Leftover,
     ObjectInfo,
-    ObjectMeta,
     Region,
     Staged,
+    Version,
 )
 from app.storage.fs_files import (
     TEMP_PREFIX,
@@ -136,7 +136,7 @@ class FilesystemStore(BlockStore):
 
     async def put(
         self, key: str, body: AsyncIterable[bytes], *, size: int, expected_digest: str | None = None
-    ) -> ObjectMeta:
+    ) -> Version:
         staged = await self.stage(key, body, size=size, expected_digest=expected_digest)
         try:
             await self.publish(staged)
@@ -250,7 +250,7 @@ class FilesystemStore(BlockStore):
                 tmp.unlink(missing_ok=True)
                 raise
             return Staged(
-                key=target, meta=ObjectMeta(size=total, digest=whole.hexdigest()), stamp=stamp, handle=_Temp(tmp, fd)
+                key=target, meta=Version(size=total, digest=whole.hexdigest()), stamp=stamp, handle=_Temp(tmp, fd)
             )
 
         try:
@@ -357,7 +357,7 @@ class FilesystemStore(BlockStore):
             return None
         return st.st_size
 
-    async def digest(self, key: str) -> ObjectMeta:
+    async def digest(self, key: str) -> Version:
         return await self._hash(key, claim=False)
 
     def issued(self, stamp: str | None) -> bool:
@@ -368,12 +368,12 @@ class FilesystemStore(BlockStore):
         of an earlier release), without reading it."""
         return await io(restamp_file, self.path_of(key), stamp, self._fsync, what="restamp")
 
-    async def claim(self, key: str) -> ObjectMeta:
+    async def claim(self, key: str) -> Version:
         """Hash the file under ``key`` and, if it carries no stamp of this store's (vLLM wrote it, or an earlier
         kvgate), give it one: from then on its readers are checked against an id that never repeats."""
         return await self._hash(key, claim=True)
 
-    async def _hash(self, key: str, *, claim: bool) -> ObjectMeta:
+    async def _hash(self, key: str, *, claim: bool) -> Version:
         try:
             return await io(hash_file, self.path_of(key), self._chunk, claim, self._fsync, what="read")
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:

@@ -30,7 +30,7 @@ from typing import TypeVar
 import anyio.to_thread
 
 from app.errors import BackendUnavailable, InsufficientStorage
-from app.storage.base import BodyChecker, ObjectInfo, ObjectMeta
+from app.storage.base import BodyChecker, ObjectInfo, Version
 
 TEMP_PREFIX = ".kvgate-tmp-"
 XATTR = "user.kvgate.version"
@@ -285,7 +285,7 @@ def drop_unlocked(path: Path) -> bool:
         os.close(fd)
 
 
-def hash_file(path: Path, chunk: int, claim: bool, fsync: bool) -> ObjectMeta:
+def hash_file(path: Path, chunk: int, claim: bool, fsync: bool) -> Version:
     """The size, sha256 and stamp of the file at ``path``; ``claim``: a file without a stamp of ours gets one."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
@@ -307,7 +307,7 @@ def hash_file(path: Path, chunk: int, claim: bool, fsync: bool) -> ObjectMeta:
                     os.fsync(fd)
             except PermissionError:
                 pass  # not ours to stamp (another owner): it keeps its inode:mtime stamp
-        return ObjectMeta(size=meta.size, digest=meta.digest, stamp=stamp)
+        return Version(size=meta.size, digest=meta.digest, stamp=stamp)
     finally:
         os.close(fd)
 

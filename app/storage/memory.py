@@ -8,7 +8,7 @@ from collections.abc import AsyncIterable, AsyncIterator
 from typing import cast
 
 from app.errors import BlockNotFound, VersionMismatch
-from app.storage.base import BlockStore, BodyChecker, ClosingReader, ObjectInfo, ObjectMeta, Staged
+from app.storage.base import BlockStore, BodyChecker, ClosingReader, ObjectInfo, Staged, Version
 
 
 class MemoryReader(ClosingReader):
@@ -47,7 +47,7 @@ class MemoryStore(BlockStore):
 
     async def put(
         self, key: str, body: AsyncIterable[bytes], *, size: int, expected_digest: str | None = None
-    ) -> ObjectMeta:
+    ) -> Version:
         checker = BodyChecker(size=size, expected_digest=expected_digest)
         buf = bytearray()
         async for chunk in body:
@@ -92,7 +92,7 @@ class MemoryStore(BlockStore):
     async def delete(self, key: str) -> bool:
         return self._objects.pop(key, None) is not None
 
-    async def digest(self, key: str) -> ObjectMeta:
+    async def digest(self, key: str) -> Version:
         entry = self._objects.get(key)
         if entry is None:
             raise BlockNotFound(key)
@@ -100,7 +100,7 @@ class MemoryStore(BlockStore):
         checker = BodyChecker(size=len(data), expected_digest=None)
         checker.update(data)
         meta = checker.finish()
-        return ObjectMeta(size=meta.size, digest=meta.digest, stamp=stamp)
+        return Version(size=meta.size, digest=meta.digest, stamp=stamp)
 
     async def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
         for key in sorted(self._objects):

@@ -25,7 +25,7 @@ from botocore.exceptions import ClientError
 
 from app.config import S3Backend
 from app.errors import BackendUnavailable, BlockNotFound, InvalidRequest
-from app.storage.base import BlockStore, BodyChecker, ClosingReader, ObjectInfo, ObjectMeta, Staged, coalesce
+from app.storage.base import BlockStore, BodyChecker, ClosingReader, ObjectInfo, Staged, Version, coalesce
 from app.storage.s3_errors import FOREIGN, NO_BUCKET_CODES, code_of, is_missing, translate
 from app.storage.s3_signing import DIGEST_META, sign_with_known_digest
 
@@ -182,7 +182,7 @@ class S3Store(BlockStore):
 
     async def put(
         self, key: str, body: AsyncIterable[bytes], *, size: int, expected_digest: str | None = None
-    ) -> ObjectMeta:
+    ) -> Version:
         return await self._write(self.object_key(key), body, size=size, expected_digest=expected_digest)
 
     async def stage(
@@ -211,9 +211,7 @@ class S3Store(BlockStore):
             if not is_missing(exc):
                 raise translate(exc, "delete") from exc
 
-    async def _write(
-        self, name: str, body: AsyncIterable[bytes], *, size: int, expected_digest: str | None
-    ) -> ObjectMeta:
+    async def _write(self, name: str, body: AsyncIterable[bytes], *, size: int, expected_digest: str | None) -> Version:
         checker = BodyChecker(size=size, expected_digest=expected_digest)
         if size > self._threshold:
             return await self._put_multipart(name, body, checker)
@@ -232,7 +230,7 @@ class S3Store(BlockStore):
             raise translate(exc, "put") from exc
         return meta
 
-    async def _put_multipart(self, name: str, body: AsyncIterable[bytes], checker: BodyChecker) -> ObjectMeta:
+    async def _put_multipart(self, name: str, body: AsyncIterable[bytes], checker: BodyChecker) -> Version:
         # The digest is only known at the end; when the client announced it, it goes into the metadata up front
         # (CompleteMultipartUpload is reached only if it matched), else it is added by a copy afterwards.
         announced = checker.expected_digest
@@ -374,14 +372,14 @@ class S3Store(BlockStore):
         head = await self._head(self.object_key(key))
         return None if head is None else int(head["ContentLength"])
 
-    async def digest(self, key: str) -> ObjectMeta:
+    async def digest(self, key: str) -> Version:
         head = await self._head(self.object_key(key))
         if head is None:
             raise BlockNotFound(key)
         size = int(head["ContentLength"])
         recorded = str(head.get("Metadata", {}).get(DIGEST_META, "")).lower()
         if len(recorded) == 64:
-            return ObjectMeta(size=size, digest=recorded)
+            return Version(size=size, digest=recorded)
         checker = BodyChecker(size=size, expected_digest=None)
         reader = S3Reader(self, self.object_key(key), size=size, etag=head.get("ETag"))
         async for chunk in reader.chunks(start=0, end=size):

@@ -16,7 +16,6 @@ import pytest
 
 from app.core.assembly import Core
 from app.errors import BlockNotFound
-from app.index import Candidate
 from contract.keys import parse_block_key
 from tests.conftest import key_for
 from tests.unit.inprocess import Gateway
@@ -53,14 +52,7 @@ async def test_read_inside_a_removal_is_not_cached(core: Core, change: str) -> N
     record = await index.get(key.path)
     assert record is not None
     if change == "evict":
-        chosen = Candidate(
-            key=record.key,
-            namespace=record.namespace,
-            size=record.size,
-            created_at=record.created_at,
-            stamp=record.stamp,
-        )
-        removal = asyncio.create_task(core.upkeep.evict([chosen]))
+        removal = asyncio.create_task(core.upkeep.evict([record]))
     else:
         removal = asyncio.create_task(service.delete(key))
     await entered.wait()

@@ -14,10 +14,10 @@ from app.api.routes.deps import service, settings
 from app.api.routes.thin import ThinRoute
 from app.config import Settings
 from app.core.events import parse_meta_header, writer_meta
-from app.core.keystate import BlockMeta
 from app.core.reads import OpenBlock, read_range_verified
 from app.core.service import BlockService
 from app.errors import InvalidRequest, LengthRequired, PayloadTooLarge
+from app.storage.base import Version
 from contract import wire
 from contract.keys import BlockKey, parse_block_key
 from contract.wire import BLOCK_META_HEADER, DIGEST_HEADER, PART_DIGEST_HEADER, RANGE_DIGEST_HEADER
@@ -44,11 +44,11 @@ class PartResponse(BaseModel):
     digest: str | None = Field(default=None, description="sha256 of the whole object once complete")
 
 
-def etag(meta: BlockMeta) -> str:
+def etag(meta: Version) -> str:
     return wire.quote_etag(meta.digest)
 
 
-def meta_headers(meta: BlockMeta) -> dict[str, str]:
+def meta_headers(meta: Version) -> dict[str, str]:
     return {"ETag": etag(meta), DIGEST_HEADER: meta.digest, "Accept-Ranges": "bytes"}
 
 

@@ -143,6 +143,7 @@ def _traffic(traffic: Traffic, *, workers: int, seconds: float) -> None:
 def run_fs(root: Path, *, seconds: float, seed: int = 1, workers: int = 6, keys: int = 24) -> RunReport:
     began = time.monotonic()
     history = History()
+    root.mkdir(parents=True, exist_ok=True)
     gw = Gateway(root / "data", env=SWEEP_UPLOADS).start()
     names = workload_keys(keys)
     faults = Faults([gw], random.Random(seed + 1), every_s=(2.0, 5.0))
@@ -201,6 +202,7 @@ def run_replicas(
     incomplete objects; ``has_object(key, stamp, size)``: the row's version object is stored with that size."""
     began = time.monotonic()
     history = History()
+    root.mkdir(parents=True, exist_ok=True)
     gateways = [Gateway(root / f"g{i}", env={**env, **SWEEP_UPLOADS}) for i in range(replicas)]
     for g in gateways:
         g.start()

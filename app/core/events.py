@@ -325,9 +325,13 @@ class EventBus:
         if not topics.per_namespace:
             return [(topics.render(namespace="", model=""), events)]
         models = self.models
+        named: dict[str, str] = {}
         out: dict[str, list[Event]] = {}
         for e in events:
-            topic = topics.render(namespace=e.namespace, model=models.get(e.namespace) if models else None)
+            topic = named.get(e.namespace)
+            if topic is None:
+                model = models.get(e.namespace) if models else None
+                topic = named[e.namespace] = topics.render(namespace=e.namespace, model=model)
             out.setdefault(topic, []).append(e)
         return list(out.items())
 

@@ -1,7 +1,7 @@
 """PUT throughput with KV events on and off, in one run on one machine, and the events/s a subscriber receives.
 
     .venv/bin/python -m benchmarks.events_overhead [--count 2000] [--concurrency 16] [--block-size 4096] [--rounds 3]
-        [--meta-tokens 16]
+        [--meta-tokens 16] [--base REV]
 
 Starts two gateways on loopback (filesystem backend, each its own data dir): events off, and events on (ZMQ PUB and
 replay sockets on loopback) with a ZMQ subscriber in this process decoding every batch. Runs ``kvgate bench``
@@ -9,7 +9,9 @@ replay sockets on loopback) with a ZMQ subscriber in this process decoding every
 so that load from elsewhere on the machine falls on both alike. Prints median PUT req/s of each, their ratio, and
 the events the subscriber decoded per second of the PUT phases (every committed PUT is one BlockStored). Small
 blocks make the request rate, and so the per-event cost, as high as it gets. ``--meta-tokens N``: every PUT (to both
-gateways) carries X-KVGate-Block-Meta with N token ids and a parent, as the connectors send it. CI does not run this.
+gateways) carries X-KVGate-Block-Meta with N token ids and a parent, as the connectors send it. ``--base REV``: the
+first gateway is revision REV's (a ``git worktree``) with events on too, so the figures are the cost of this tree's
+events against REV's. CI does not run this.
 """
 
 from __future__ import annotations
@@ -167,6 +169,7 @@ def main() -> None:
     parser.add_argument("--durable", action="store_true", help="fsync and SQLite FULL (default: both off, faster)")
     parser.add_argument("--publisher-events", type=int, default=50_000, help="events for the publisher-only run")
     parser.add_argument("--meta-tokens", type=int, default=0, help="token ids in each PUT's block meta (0: none)")
+    parser.add_argument("--base", help="git revision: compare its gateway with events on, instead of events off")
     args = parser.parse_args()
     fast = (
         {}
@@ -176,22 +179,33 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="kvgate-events-bench-") as tmp:
         root = Path(tmp)
-        off = Gateway(root / "off", env=fast)
+        if args.base:  # the cost of this tree's events against another revision's, both on
+            base = root / "base-tree"
+            subprocess.run(["git", "worktree", "add", "--detach", str(base), args.base], cwd=REPO, check=True)
+            a_name, b_name = f"base {args.base}"[:11], "this tree"
+            first = events_gateway(root / "base", env=fast)
+            first.cwd = base
+        else:
+            a_name, b_name = "events off", "events on"
+            first = Gateway(root / "off", env=fast)
         on = events_gateway(root / "on", env=fast)
-        figures: dict[str, list[float]] = {"events off": [], "events on": []}
-        cpu: dict[str, list[float]] = {"events off": [], "events on": []}
+        figures: dict[str, list[float]] = {a_name: [], b_name: []}
+        cpu: dict[str, list[float]] = {a_name: [], b_name: []}
         ratios: list[float] = []
         rates: list[float] = []
         counter = Counter(on.pub)  # type: ignore[attr-defined]
+        other = Counter(first.pub) if args.base else None  # type: ignore[attr-defined]
         try:
-            off.start()
+            first.start()
             on.start()
             counter.start()
+            if other is not None:
+                other.start()
             for r in range(args.rounds):
-                runs = [("events off", off), ("events on", on)]
+                runs = [(a_name, first), (b_name, on)]
                 for name, gw in runs if r % 2 == 0 else runs[::-1]:  # alternate who goes first
                     before, cpu0 = counter.events, cpu_seconds(gw)
-                    put = bench(gw.url, root / f"{name}-{r}.json", args, seed=r)
+                    put = bench(gw.url, root / f"{name}-{r}.json".replace(" ", "-"), args, seed=r)
                     cpu[name].append(1e6 * (cpu_seconds(gw) - cpu0) / args.count)
                     figures[name].append(put["req_s"])
                     if gw is on:
@@ -202,11 +216,15 @@ def main() -> None:
                             raise SystemExit(f"round {r}: the subscriber decoded {got} events for {args.count} PUTs")
                         rates.append(got / put["seconds"])
                         counter.reached.clear()
-                ratios.append(figures["events on"][-1] / figures["events off"][-1])
+                ratios.append(figures[b_name][-1] / figures[a_name][-1])
         finally:
             counter.stop = True
+            if other is not None:
+                other.stop = True
             on.stop()
-            off.stop()
+            first.stop()
+            if args.base:
+                subprocess.run(["git", "worktree", "remove", "--force", str(root / "base-tree")], cwd=REPO, check=False)
 
     mode = "fsync + SQLite FULL" if args.durable else "no fsync, SQLite synchronous OFF"
     print(
@@ -220,9 +238,11 @@ def main() -> None:
             f"{name:<11} PUT req/s {med:8.0f} ({min(values):.0f}-{max(values):.0f})  "
             f"gateway CPU per PUT {statistics.median(cpu[name]):6.0f} us"
         )
-    print(f"PUT req/s on/off, median of the rounds' ratios: {statistics.median(ratios):.3f} {sorted(ratios)}")
-    cost = statistics.median(cpu["events on"]) - statistics.median(cpu["events off"])
-    print(f"gateway CPU per PUT on - off: {cost:.0f} us")
+    print(
+        f"PUT req/s {b_name} / {a_name}, median of the rounds' ratios: {statistics.median(ratios):.3f} {sorted(ratios)}"
+    )
+    cost = statistics.median(cpu[b_name]) - statistics.median(cpu[a_name])
+    print(f"gateway CPU per PUT {b_name} - {a_name}: {cost:.0f} us")
     print(f"events decoded by a ZMQ subscriber: {statistics.median(rates):.0f}/s (median of rounds), none missing")
     capacity = publisher_capacity(args.publisher_events)
     print(f"publisher alone (bus + ZMQ, one batch per event, one loop): {capacity:.0f} events/s")

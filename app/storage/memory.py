@@ -74,7 +74,12 @@ class MemoryStore(BlockStore):
         return None
 
     async def remove(self, key: str, *, stamp: str | None) -> bool:
-        return await self.delete(key)
+        """Remove the key's object if it is version ``stamp`` (None: whatever is there)."""
+        entry = self._objects.get(key)
+        if entry is None or (stamp is not None and entry[2] != stamp):
+            return False
+        del self._objects[key]
+        return True
 
     async def open(self, key: str, *, stamp: str | None = None) -> MemoryReader:
         try:

@@ -1,0 +1,101 @@
+"""The version abilities of the BlockStore protocol, run against every store (memory, filesystem, S3 on moto and on
+SeaweedFS): staged versions are invisible until published, stamps name one version each, removal takes only the
+version named, and the recovery abilities (roll forward, leftovers, claim, restamp) keep what they declare, whether a
+store implements them or keeps the protocol's do-nothing defaults."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from app.errors import BlockNotFound, VersionMismatch
+from app.storage import BlockStore
+from app.storage.base import Staged
+from tests.conftest import key_for, random_bytes, sha
+from tests.contract.test_store_contract import store  # noqa: F401  (the fixture: every store)
+
+KEY = key_for(4242)
+
+
+async def body(data: bytes) -> AsyncIterator[bytes]:
+    yield data
+
+
+async def stage(store: BlockStore, data: bytes, key: str = KEY) -> Staged:  # noqa: F811
+    return await store.stage(key, body(data), size=len(data))
+
+
+async def read_version(store: BlockStore, stamp: str) -> bytes:  # noqa: F811
+    """The bytes of version ``stamp`` of KEY, opened as the core opens a block: by the stamp its row names."""
+    async with await store.open(KEY, stamp=stamp) as reader:
+        return b"".join([c async for c in reader.chunks(start=0, end=reader.size)])
+
+
+async def test_a_staged_version_is_invisible_until_published(store: BlockStore) -> None:  # noqa: F811
+    data = random_bytes(5000, 1)
+    staged = await stage(store, data)
+    assert staged.meta.size == 5000 and staged.meta.digest == sha(data) and staged.stamp
+    if not store.versioned:  # a versioned store's row names the object: it is readable by its stamp at once
+        with pytest.raises(BlockNotFound):
+            await store.open(KEY)
+    await store.publish(staged)
+    assert await read_version(store, staged.stamp) == data
+    assert await store.has_version(KEY, staged.stamp)
+    listed = [info async for info in store.list() if info.key == KEY]
+    assert [info.stamp for info in listed] == [staged.stamp]
+
+
+async def test_each_stamp_names_one_version(store: BlockStore) -> None:  # noqa: F811
+    first = await stage(store, random_bytes(3000, 2))
+    await store.publish(first)
+    second = await stage(store, random_bytes(3000, 3))
+    await store.publish(second)
+    assert first.stamp != second.stamp
+    assert await store.has_version(KEY, second.stamp)
+    reader = await store.open(KEY, stamp=second.stamp)
+    await reader.aclose()
+    if store.versioned:  # both objects exist until the first is retired
+        assert await store.has_version(KEY, first.stamp)
+    else:
+        assert not await store.has_version(KEY, first.stamp)
+        with pytest.raises(VersionMismatch):
+            await store.open(KEY, stamp=first.stamp)
+
+
+async def test_remove_takes_only_the_version_named(store: BlockStore) -> None:  # noqa: F811
+    old = await stage(store, random_bytes(2000, 4))
+    await store.publish(old)
+    new = await stage(store, random_bytes(2000, 5))
+    await store.publish(new)
+    await store.remove(KEY, stamp=old.stamp)
+    assert await store.has_version(KEY, new.stamp)  # the version under the key stays
+    assert await store.remove(KEY, stamp=new.stamp)
+    assert not await store.has_version(KEY, new.stamp)
+
+
+async def test_a_discarded_version_leaves_nothing(store: BlockStore) -> None:  # noqa: F811
+    staged = await stage(store, random_bytes(2000, 6))
+    await store.discard(staged)
+    assert not await store.has_version(KEY, staged.stamp)
+    assert [info async for info in store.list() if info.key == KEY] == []
+    assert list(await store.leftovers()) == []
+
+
+async def test_recovery_abilities_keep_what_they_declare(store: BlockStore) -> None:  # noqa: F811
+    data = random_bytes(4000, 7)
+    staged = await stage(store, data)
+    await store.publish(staged)
+    # nothing staged is left behind, so there is nothing to roll forward or to sweep
+    assert not await store.roll_forward(KEY, staged.stamp)
+    assert list(await store.leftovers()) == []
+    # claim: the data under the key, hashed, with a stamp that names it
+    claimed = await store.claim(KEY) if not store.versioned else None
+    if claimed is not None:
+        assert (claimed.size, claimed.digest) == (4000, sha(data))
+        assert claimed.stamp is not None and await store.has_version(KEY, claimed.stamp)
+        assert store.issued(claimed.stamp)
+    assert store.issued(staged.stamp)
+    # restamp refuses a stamp that does not name the version there
+    assert await store.restamp(KEY, stamp="not-a-stamp-of-this-version") is None
+    assert await store.remove_empty_dirs("_parts/", older_than_s=0) >= 0

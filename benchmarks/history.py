@@ -11,9 +11,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tests.e2e.history_runs import RunReport, run_fs, run_replicas
+from tests.e2e.history_runs import RunReport, SharedTruth, run_fs, run_replicas
 from tests.s3_servers import SeaweedServer, unique_bucket, weed_binary
-from tests.services import asyncpg_dsn, local_postgres
+from tests.services import local_postgres
 
 
 def _replicas(root: Path, *, seconds: float, seed: int, replicas: int) -> RunReport:
@@ -25,56 +25,9 @@ def _replicas(root: Path, *, seconds: float, seed: int, replicas: int) -> RunRep
     pg = local.start()
     try:
         db_url = asyncio.run(pg.create_database())
-        bucket, prefix = unique_bucket(), "kv"
-        env = {**s3.backend_env(bucket=bucket, prefix=prefix), "KVGATE_DB_URL": db_url}
-
-        def rows_of() -> dict[str, tuple[int, str | None]]:
-            async def q() -> dict[str, tuple[int, str | None]]:
-                import asyncpg  # type: ignore[import-untyped]
-
-                conn = await asyncpg.connect(asyncpg_dsn(db_url))
-                try:
-                    rows = await conn.fetch("SELECT key, size, stamp FROM blocks")
-                    return {r["key"]: (r["size"], r["stamp"]) for r in rows}
-                finally:
-                    await conn.close()
-
-            return asyncio.run(q())
-
-        def part_bytes() -> int:
-            async def q() -> int:
-                import asyncpg
-
-                conn = await asyncpg.connect(asyncpg_dsn(db_url))
-                try:
-                    return int(await conn.fetchval('SELECT COALESCE(SUM("end" - start), 0) FROM parts'))
-                finally:
-                    await conn.close()
-
-            return asyncio.run(q())
-
-        def has_object(key: str, stamp: str | None, size: int) -> bool:
-            async def q() -> bool:
-                async with s3.client() as client:
-                    try:
-                        name = f"{prefix}/{key}" + ("" if stamp is None else f".v{stamp}")
-                        head = await client.head_object(Bucket=bucket, Key=name)
-                    except Exception:
-                        return False
-                    return int(head["ContentLength"]) == size
-
-            return asyncio.run(q())
-
-        return run_replicas(
-            root / "replicas",
-            env=env,
-            rows_of=rows_of,
-            part_bytes=part_bytes,
-            has_object=has_object,
-            seconds=seconds,
-            seed=seed,
-            replicas=replicas,
-        )
+        truth = SharedTruth(db_url=db_url, s3=s3, bucket=unique_bucket(), prefix="kv")
+        env = {**s3.backend_env(bucket=truth.bucket, prefix=truth.prefix), "KVGATE_DB_URL": db_url}
+        return run_replicas(root / "replicas", env=env, truth=truth, seconds=seconds, seed=seed, replicas=replicas)
     finally:
         local.stop()
         s3.stop()

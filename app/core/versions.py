@@ -50,6 +50,22 @@ RETIRE_AFTER_S = 5.0
 that opened it just before has started reading it (an S3 GET in progress reads to the end after a delete)."""
 
 
+def row_for(key: BlockKey, version: Version, *, stamp: str | None, created_at: float) -> BlockRecord:
+    """The index row of ``version`` of ``key``: new, unread (its last access is its creation)."""
+    return BlockRecord(
+        key=key.path,
+        namespace=key.namespace,
+        rank=key.rank,
+        group=key.group,
+        size=version.size,
+        digest=version.digest,
+        created_at=created_at,
+        last_access=created_at,
+        hits=0,
+        stamp=stamp,
+    )
+
+
 def meta_of(record: BlockRecord) -> Version:
     return Version(key=record.key, size=record.size, digest=record.digest, stamp=record.stamp)
 
@@ -194,19 +210,7 @@ class Change:
         if v.store.versioned and time.monotonic() - staged.staged_at > STAGED_MAX_AGE_S:
             await v.discard(staged)
             raise BackendUnavailable(f"{key.path!r}: staged {STAGED_MAX_AGE_S:.0f}+ s ago, too long to commit")
-        now = time.time()
-        record = BlockRecord(
-            key=key.path,
-            namespace=key.namespace,
-            rank=key.rank,
-            group=key.group,
-            size=staged.meta.size,
-            digest=staged.meta.digest,
-            created_at=now,
-            last_access=now,
-            hits=0,
-            stamp=staged.stamp,
-        )
+        record = row_for(key, staged.meta, stamp=staged.stamp, created_at=time.time())
         try:
             swap = await v.index.swap_block(record, expect=expect)
         except BaseException:
@@ -228,19 +232,7 @@ class Change:
         """Record a version that is already in place (found by reconcile or import, re-stamped, or the one left
         on disk when the row's own is gone), if the row is what ``expect`` says."""
         v = self._v
-        now = time.time()
-        record = BlockRecord(
-            key=key.path,
-            namespace=key.namespace,
-            rank=key.rank,
-            group=key.group,
-            size=stored.size,
-            digest=stored.digest,
-            created_at=created_at if created_at is not None else now,
-            last_access=created_at if created_at is not None else now,
-            hits=0,
-            stamp=stored.stamp,
-        )
+        record = row_for(key, stored, stamp=stored.stamp, created_at=time.time() if created_at is None else created_at)
         swap = await v.index.swap_block(record, expect=expect)
         if not swap.written:
             return Committed(meta=meta_of(swap.old) if swap.old else meta_of(record), old=swap.old, written=False)

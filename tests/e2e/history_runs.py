@@ -18,7 +18,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,8 @@ import httpx
 from tests.capacity.helpers import block_files, index_rows
 from tests.e2e.history import History, Traffic, Verdict, check, final_state, sha, workload_keys
 from tests.gateway import REPO, Gateway
+from tests.s3_servers import S3TestServer
+from tests.services import asyncpg_dsn
 
 SWEEP_UPLOADS = {"KVGATE_STALE_UPLOAD_S": "3", "KVGATE_EVICTION_INTERVAL_S": "0.5"}
 """Uploads that lost a part (a writer killed, or refused for another upload of its key) are dropped within
@@ -189,17 +190,14 @@ def run_replicas(
     root: Path,
     *,
     env: dict[str, str],
-    rows_of: Callable[[], dict[str, tuple[int, str | None]]],
-    part_bytes: Callable[[], int],
-    has_object: Callable[[str, str | None, int], bool],
+    truth: SharedTruth,
     seconds: float,
     seed: int = 1,
     replicas: int = 2,
     workers: int = 6,
     keys: int = 24,
 ) -> RunReport:
-    """``rows_of()``: key -> (size, stamp) of the index rows; ``part_bytes()``: bytes of the stored parts of
-    incomplete objects; ``has_object(key, stamp, size)``: the row's version object is stored with that size."""
+    """Replicas with ``env`` over the index and bucket that ``truth`` reads behind their backs."""
     began = time.monotonic()
     history = History()
     root.mkdir(parents=True, exist_ok=True)
@@ -218,14 +216,54 @@ def run_replicas(
     try:
         finals = [final_state(g.url, names) for g in gateways]
         assert all(f == finals[0] for f in finals), "replicas answer differently"
-        rows = rows_of()
+        rows = truth.rows()
         assert {k for k in rows if k in names} == {k for k, v in finals[0].items() if v is not None}
-        missing = [k for k, (size, stamp) in rows.items() if not has_object(k, stamp, size)]
+        missing = [k for k, (size, stamp) in rows.items() if not truth.has_object(k, stamp, size)]
         assert not missing, f"rows without their object: {missing[:5]}"
         for g in gateways:
-            _stats_agree(g.url, {k: size for k, (size, _) in rows.items()}, part_bytes())
+            _stats_agree(g.url, {k: size for k, (size, _) in rows.items()}, truth.part_bytes())
     finally:
         for g in gateways:
             g.stop()
     verdict = check(history, finals[0])
     return RunReport(verdict, history, faults.kills, {}, time.monotonic() - began)
+
+
+@dataclass(frozen=True)
+class SharedTruth:
+    """What the replicas' shared index and bucket hold, read behind the gateways' backs (PostgreSQL, S3)."""
+
+    db_url: str
+    s3: S3TestServer
+    bucket: str
+    prefix: str
+
+    def _sql(self, statement: str) -> list[Any]:
+        async def q() -> list[Any]:
+            import asyncpg  # type: ignore[import-untyped]
+
+            conn = await asyncpg.connect(asyncpg_dsn(self.db_url))
+            try:
+                return list(await conn.fetch(statement))
+            finally:
+                await conn.close()
+
+        return asyncio.run(q())
+
+    def rows(self) -> dict[str, tuple[int, str | None]]:
+        return {r["key"]: (r["size"], r["stamp"]) for r in self._sql("SELECT key, size, stamp FROM blocks")}
+
+    def part_bytes(self) -> int:
+        return int(self._sql('SELECT COALESCE(SUM("end" - start), 0) AS n FROM parts')[0]["n"])
+
+    def has_object(self, key: str, stamp: str | None, size: int) -> bool:
+        async def q() -> bool:
+            name = f"{self.prefix}/{key}" + ("" if stamp is None else f".v{stamp}")
+            async with self.s3.client() as s3:
+                try:
+                    head = await s3.head_object(Bucket=self.bucket, Key=name)
+                except Exception:
+                    return False
+                return int(head["ContentLength"]) == size
+
+        return asyncio.run(q())

@@ -1,0 +1,276 @@
+"""The cost of a request: server CPU per request, kvgate next to nginx (WebDAV) on the same work, in one run.
+
+    .venv/bin/python -m benchmarks.cost                      # PUT, GET at 64 KiB and 2 MiB, HEAD; c=16; 3 rounds
+    .venv/bin/python -m benchmarks.cost --base 5a2c15d       # and kvgate at another revision beside it
+    .venv/bin/python -m benchmarks.cost --workers-compare 1 2 -c 32   # kvgate with 1 worker against 2
+
+The figure is the **server's CPU time per request**: each server's processes (nginx's master and worker; kvgate's
+process, or its supervisor and every worker) are read from ``/proc`` just before and just after each phase, with
+nanosecond process CPU clocks (``clock_gettime`` on the process's CPU clock id: every thread, live or gone). The
+client is independent of both servers: one aiohttp client in this process (``kvgate bench``'s runner: every GET
+body is checked against the sha256 of what was PUT), driven at the given concurrency. Neither server fsyncs blocks
+(nginx's WebDAV never does: kvgate runs with ``KVGATE_BACKEND__FSYNC=false``; its index commits stay durable).
+nginx runs one worker, kvgate one process (unless ``--workers``).
+
+Each round runs every system in turn (the order rotates), each phase on fresh keys; the report gives each cell's
+median over the rounds with its lowest and highest, and the kvgate/nginx ratio taken round by round (the same
+round's nginx figure), then its median. The machine is shared: the load average is printed with the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from app.tools.bench import BenchConfig, OpStats, Runner
+from app.tools.bench_clients import AiohttpClient
+from benchmarks.compare import Nginx
+from tests.gateway import REPO, Gateway
+
+KiB = 1024
+MiB = 1024 * KiB
+SIZES = (64 * KiB, 2 * MiB)
+COUNTS = {64 * KiB: 3000, 2 * MiB: 300}
+"""Requests per PUT and GET phase, by block size (enough server CPU that a phase spans many scheduler ticks)."""
+HEADS = 6000
+
+
+def cpu_clock(pid: int) -> int:
+    """The clock id of process ``pid``'s CPU time (Linux: MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED))."""
+    return ((~pid) << 3) | 2
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU seconds used so far by these processes (all their threads, including threads that have ended)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            total += time.clock_gettime(cpu_clock(pid))
+        except OSError:  # the process is gone
+            continue
+    return total
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (a supervisor and its workers)."""
+    out = [pid]
+    try:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return out
+    for kid in kids:
+        out.extend(process_tree(int(kid)))
+    return out
+
+
+@dataclass
+class System:
+    name: str
+    url: str
+    target: str
+    root_pid: int
+    stop: Any
+
+    def pids(self) -> list[int]:
+        return process_tree(self.root_pid)
+
+
+@dataclass
+class Cell:
+    """One (system, op, size) over the rounds."""
+
+    cpu_ms: list[float] = field(default_factory=list)
+    req_s: list[float] = field(default_factory=list)
+    mb_s: list[float] = field(default_factory=list)
+    ratio: list[float] = field(default_factory=list)
+    """CPU per request against the reference system of the same round."""
+
+
+async def run_phase(runner: Runner, op: str, n: int, pids: list[int]) -> tuple[OpStats, float]:
+    stats = {op: OpStats(op=op)}
+    before = cpu_seconds(pids)
+    await runner.phase(runner.jobs_for(op, n), n, stats, lambda _n: None)
+    used = cpu_seconds(pids) - before
+    s = stats[op]
+    if s.errors or s.verify_failures or s.misses:
+        raise RuntimeError(f"{op}: {s.errors} errors, {s.verify_failures} wrong bodies, {s.misses} misses: "
+                           f"{runner.first_errors}")  # fmt: skip
+    return s, 1000 * used / max(1, s.requests)
+
+
+async def run_system(
+    system: System, *, size: int, concurrency: int, seed: int, n: int, heads: int
+) -> dict[str, tuple[OpStats, float]]:
+    cfg = BenchConfig(
+        url=system.url, target=system.target, concurrency=concurrency, block_size=size, count=n,  # type: ignore[arg-type]
+        phases="put,get,head", seed=seed,
+    )  # fmt: skip
+    client = AiohttpClient(base_url=system.url, concurrency=concurrency, timeout_s=120.0)
+    runner = Runner(cfg, client)
+    out: dict[str, tuple[OpStats, float]] = {}
+    try:
+        pids = system.pids()
+        for op, count in (("put", n), ("get", n), ("head", heads)):
+            if count:
+                out[op] = await run_phase(runner, op, count, pids)
+    finally:
+        await client.aclose()
+    return out
+
+
+def start_gateway(
+    work: Path, name: str, *, workers: int, repo: Path = REPO, extra: dict[str, str] | None = None
+) -> System:
+    (work / name).mkdir()
+    env = {"KVGATE_BACKEND__KIND": "fs", "KVGATE_BACKEND__FSYNC": "false", **(extra or {})}
+    if workers != 1:
+        env["KVGATE_WORKERS"] = str(workers)
+    gw = Gateway(work / name / "data", env=env, repo=repo).start()
+    if gw.proc is None:
+        raise RuntimeError("gateway did not start")
+    if workers > 1:  # wait until every worker has forked (the supervisor answers once the first is ready)
+        deadline = time.monotonic() + 60
+        while len(process_tree(gw.proc.pid)) < workers + 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+    return System(name=name, url=gw.url, target="kvgate", root_pid=gw.proc.pid, stop=gw.stop)
+
+
+def _run(coro: Any) -> Any:
+    import uvloop
+
+    return uvloop.run(coro)
+
+
+def load_average() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def fmt_cell(values: list[float], spec: str) -> str:
+    if not values:
+        return "-"
+    med = statistics.median(values)
+    return f"{med:{spec}} ({min(values):{spec}}-{max(values):{spec}})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("-c", "--concurrency", type=int, default=16)
+    ap.add_argument("--sizes", type=int, nargs="+", default=list(SIZES), help="block sizes in bytes")
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply the request counts")
+    ap.add_argument("--base", help="also run kvgate at this git revision (a temporary worktree)")
+    ap.add_argument("--workers", type=int, default=1, help="kvgate worker processes")
+    ap.add_argument("--workers-compare", type=int, nargs="+", metavar="N",
+                    help="no nginx: kvgate with each of these worker counts, side by side")  # fmt: skip
+    ap.add_argument("--no-nginx", action="store_true")
+    ap.add_argument("--json", type=Path, help="write the figures here")
+    args = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="kvgate-cost-"))
+    base_tree: Path | None = None
+    systems: list[System] = []
+    try:
+        if args.workers_compare:
+            for w in args.workers_compare:
+                systems.append(start_gateway(work, f"kvgate-w{w}", workers=w))
+        else:
+            if not args.no_nginx:
+                nginx = Nginx(work / "nginx").start()
+                if nginx.proc is None:
+                    raise RuntimeError("nginx did not start")
+                systems.append(System("nginx", nginx.url, "webdav", nginx.proc.pid, nginx.stop))
+            if args.base:
+                base_tree = work / "base-tree"
+                subprocess.run(["git", "worktree", "add", "--detach", str(base_tree), args.base], cwd=REPO,
+                               check=True, capture_output=True)  # fmt: skip
+                systems.append(start_gateway(work, f"kvgate@{args.base}", workers=1, repo=base_tree))
+            systems.append(start_gateway(work, "kvgate", workers=args.workers))
+        cells: dict[tuple[str, str, int], Cell] = {}
+        loads = [load_average()]
+        # a warm-up pass, not recorded: first connections, first files and directories, SQLite's first pages
+        for s in systems:
+            _run(run_system(s, size=64 * KiB, concurrency=args.concurrency, seed=999_999, n=200, heads=200))
+        for rnd in range(args.rounds):
+            order = systems[rnd % len(systems) :] + systems[: rnd % len(systems)]
+            for size in args.sizes:
+                n = max(16, int(COUNTS.get(size, 300) * args.scale))
+                heads = int(HEADS * args.scale) if size == min(args.sizes) else 0
+                got: dict[str, dict[str, tuple[OpStats, float]]] = {}
+                for s in order:
+                    seed = 1000 * rnd + size % 997
+                    print(f"  round {rnd + 1}/{args.rounds} {s.name:>18} {size // KiB:>5} KiB ...", flush=True)
+                    got[s.name] = _run(
+                        run_system(s, size=size, concurrency=args.concurrency, seed=seed, n=n, heads=heads)
+                    )
+                ref = systems[0].name
+                for name, ops in got.items():
+                    for op, (stats, cpu_ms) in ops.items():
+                        cell = cells.setdefault((name, op, size), Cell())
+                        cell.cpu_ms.append(cpu_ms)
+                        cell.req_s.append(stats.req_s)
+                        cell.mb_s.append(stats.mb_s)
+                        cell.ratio.append(cpu_ms / got[ref][op][1])
+            loads.append(load_average())
+    finally:
+        for s in reversed(systems):
+            s.stop()
+        if base_tree is not None:
+            subprocess.run(["git", "worktree", "remove", "--force", str(base_tree)], cwd=REPO, check=False,
+                           capture_output=True)  # fmt: skip
+        shutil.rmtree(work, ignore_errors=True)
+    report(systems=[s.name for s in systems], cells=cells, args=args, loads=loads)
+
+
+def report(
+    *, systems: list[str], cells: dict[tuple[str, str, int], Cell], args: argparse.Namespace, loads: list[str]
+) -> None:
+    ref = systems[0]
+    print(
+        f"\nserver CPU per request, ms: median (lowest-highest) of {args.rounds} rounds; concurrency "
+        f"{args.concurrency}; {os.cpu_count()} cores shared by client and servers; load average (1, 5, 15 min) "
+        f"at each round's end: {' | '.join(loads)}"
+    )
+    rows = [(op, size) for size in args.sizes for op in ("put", "get", "head") if (ref, op, size) in cells]
+    head = (
+        f"{'request':<14}"
+        + "".join(f"{s:>26}" for s in systems)
+        + "".join(f"{s + ' / ' + ref:>26}" for s in systems[1:])
+    )
+    print(head)
+    for op, size in rows:
+        label = f"{op.upper()} {size // MiB} MiB" if size >= MiB else f"{op.upper()} {size // KiB} KiB"
+        if op == "head":
+            label = "HEAD"
+        line = f"{label:<14}"
+        for s in systems:
+            line += f"{fmt_cell(cells[(s, op, size)].cpu_ms, '.3f'):>26}"
+        for s in systems[1:]:
+            line += f"{fmt_cell(cells[(s, op, size)].ratio, '.2f'):>26}"
+        print(line)
+    print("\nthroughput, requests per second (median, lowest-highest):")
+    print(f"{'request':<14}" + "".join(f"{s:>26}" for s in systems))
+    for op, size in rows:
+        label = "HEAD" if op == "head" else f"{op.upper()} {size // KiB} KiB"
+        print(f"{label:<14}" + "".join(f"{fmt_cell(cells[(s, op, size)].req_s, '.0f'):>26}" for s in systems))
+    if args.json:
+        out = {
+            "command": " ".join(["python -m benchmarks.cost", *sys.argv[1:]]),
+            "cores": os.cpu_count(),
+            "load_average": loads,
+            "cells": [{"system": s, "op": op, "size": size, **vars(c)} for (s, op, size), c in sorted(cells.items())],
+        }
+        args.json.write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

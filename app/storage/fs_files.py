@@ -27,10 +27,9 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-import anyio.to_thread
-
 from app.errors import BackendUnavailable, InsufficientStorage
 from app.storage.base import BodyChecker, ObjectInfo, Version
+from app.threads import run_sync
 
 TEMP_PREFIX = ".kvgate-tmp-"
 XATTR = "user.kvgate.version"
@@ -46,9 +45,10 @@ def translate(exc: OSError, what: str) -> Exception:
 
 
 async def io(fn: Callable[..., T], *args: object, what: str) -> T:
-    """``fn(*args)`` on a worker thread; OSErrors other than a missing file become the domain's errors."""
+    """``fn(*args)`` on a worker thread (app/threads.py); OSErrors other than a missing file become the domain's
+    errors."""
     try:
-        return await anyio.to_thread.run_sync(fn, *args)
+        return await run_sync(fn, *args)
     except (FileNotFoundError, NotADirectoryError):
         raise
     except OSError as exc:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.tools.bench import BenchConfig, OpStats, Runner
+from app.tools.bench import BenchConfig, OpStats, Runner, bench_key
 from app.tools.bench_clients import AiohttpClient
 from benchmarks.compare import Nginx
 from tests.gateway import REPO, Gateway
@@ -80,6 +80,8 @@ class System:
     target: str
     root_pid: int
     stop: Any
+    root: Path
+    """Where its block files go (the key's path under it)."""
 
     def pids(self) -> list[int]:
         return process_tree(self.root_pid)
@@ -109,7 +111,7 @@ async def run_phase(runner: Runner, op: str, n: int, pids: list[int]) -> tuple[O
 
 
 async def run_system(
-    system: System, *, size: int, concurrency: int, seed: int, n: int, heads: int
+    system: System, *, size: int, concurrency: int, seed: int, n: int, heads: int, ops: str = "put,get,head"
 ) -> dict[str, tuple[OpStats, float]]:
     cfg = BenchConfig(
         url=system.url, target=system.target, concurrency=concurrency, block_size=size, count=n,  # type: ignore[arg-type]
@@ -121,7 +123,7 @@ async def run_system(
     try:
         pids = system.pids()
         for op, count in (("put", n), ("get", n), ("head", heads)):
-            if count:
+            if count and op in ops.split(","):
                 out[op] = await run_phase(runner, op, count, pids)
     finally:
         await client.aclose()
@@ -142,13 +144,25 @@ def start_gateway(
         deadline = time.monotonic() + 60
         while len(process_tree(gw.proc.pid)) < workers + 1 and time.monotonic() < deadline:
             time.sleep(0.1)
-    return System(name=name, url=gw.url, target="kvgate", root_pid=gw.proc.pid, stop=gw.stop)
+    return System(
+        name=name, url=gw.url, target="kvgate", root_pid=gw.proc.pid, stop=gw.stop, root=work / name / "data" / "blocks"
+    )
 
 
 def _run(coro: Any) -> Any:
     import uvloop
 
     return uvloop.run(coro)
+
+
+def make_dirs(systems: list[System], *, seeds: list[tuple[int, int]]) -> None:
+    """The directories of every key the run will PUT, made beforehand on every system's root: a cache that has run
+    a while has its ``<hhh>/<hh>_g<group>`` directories (4096 x 256 of them), so a PUT creates its file alone."""
+    for seed, n in seeds:
+        for i in range(n):
+            parent = bench_key(seed=seed, i=i).rsplit("/", 1)[0]
+            for s in systems:
+                (s.root / parent).mkdir(parents=True, exist_ok=True)
 
 
 def load_average() -> str:
@@ -172,7 +186,11 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=1, help="kvgate worker processes")
     ap.add_argument("--workers-compare", type=int, nargs="+", metavar="N",
                     help="no nginx: kvgate with each of these worker counts, side by side")  # fmt: skip
+    ap.add_argument("--ops", default="put,get,head", help="which of put,get,head to run (get and head need put)")
     ap.add_argument("--no-nginx", action="store_true")
+    ap.add_argument(
+        "--fresh-dirs", action="store_true", help="do not make the keys' directories beforehand (PUTs make them)"
+    )
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args()
 
@@ -188,13 +206,17 @@ def main() -> None:
                 nginx = Nginx(work / "nginx").start()
                 if nginx.proc is None:
                     raise RuntimeError("nginx did not start")
-                systems.append(System("nginx", nginx.url, "webdav", nginx.proc.pid, nginx.stop))
+                systems.append(System("nginx", nginx.url, "webdav", nginx.proc.pid, nginx.stop, nginx.work / "root"))
             if args.base:
                 base_tree = work / "base-tree"
                 subprocess.run(["git", "worktree", "add", "--detach", str(base_tree), args.base], cwd=REPO,
                                check=True, capture_output=True)  # fmt: skip
                 systems.append(start_gateway(work, f"kvgate@{args.base}", workers=1, repo=base_tree))
             systems.append(start_gateway(work, "kvgate", workers=args.workers))
+        plan = [(1000 * rnd + size % 997, max(16, int(COUNTS.get(size, 300) * args.scale)))
+                for rnd in range(args.rounds) for size in args.sizes]  # fmt: skip
+        if not args.fresh_dirs:
+            make_dirs(systems, seeds=plan)
         cells: dict[tuple[str, str, int], Cell] = {}
         loads = [load_average()]
         # a warm-up pass, not recorded: first connections, first files and directories, SQLite's first pages
@@ -210,7 +232,9 @@ def main() -> None:
                     seed = 1000 * rnd + size % 997
                     print(f"  round {rnd + 1}/{args.rounds} {s.name:>18} {size // KiB:>5} KiB ...", flush=True)
                     got[s.name] = _run(
-                        run_system(s, size=size, concurrency=args.concurrency, seed=seed, n=n, heads=heads)
+                        run_system(
+                            s, size=size, concurrency=args.concurrency, seed=seed, n=n, heads=heads, ops=args.ops
+                        )
                     )
                 ref = systems[0].name
                 for name, ops in got.items():

@@ -115,6 +115,12 @@ class Settings(BaseSettings):
         "none: SQLite in the data dir",
     )
     backend: Backend = Field(default_factory=FsBackend, description="where blocks go")
+    workers: int = Field(
+        default=1,
+        ge=1,
+        le=512,
+        description="gateway processes serving one socket (`kvgate serve --workers`); one per core uses them all",
+    )
 
     max_block_bytes: int = Field(default=256 * MiB, gt=0, description="largest accepted PUT body (413 above)")
     io_chunk_bytes: int = Field(default=4 * MiB, gt=0, description="read/write chunk for block bodies")
@@ -291,6 +297,19 @@ class Settings(BaseSettings):
     def _tls_files_complete(self) -> Settings:
         if self.tls_certfile is None and (self.tls_keyfile is not None or self.tls_client_ca is not None):
             raise ValueError("tls_keyfile and tls_client_ca need tls_certfile")
+        return self
+
+    @model_validator(mode="after")
+    def _workers_share_what_they_can(self) -> Settings:
+        """Several workers share the store, the index and the data directory; not events (yet), nor memory."""
+        if self.workers > 1 and self.events_enabled:
+            raise ValueError(
+                "workers > 1 with events_enabled: each worker would publish its own events on its own sequence "
+                "(KV events need one process until they are published from the index); run one worker per gateway "
+                "with events on"
+            )
+        if self.workers > 1 and isinstance(self.backend, MemoryBackend):
+            raise ValueError("workers > 1 with the memory backend: each worker would keep blocks of its own")
         return self
 
     @model_validator(mode="after")

@@ -7,9 +7,11 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import signal
+import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +24,8 @@ from app.api.middleware.principals import Principals
 from app.api.routes import admin, blocks, docs, events, health, lookup, namespaces
 from app.api.routes import metrics as metrics_route
 from app.api.routes.thin import BlockFastPath
-from app.api.server.runner import GatewayServer, build_server
+from app.api.server.runner import GatewayServer, build_server, check_serving
+from app.api.server.supervisor import Supervisor, bind_sockets
 from app.backends import Backends, open_backends
 from app.config import Settings
 from app.core.assembly import open_core
@@ -51,6 +54,30 @@ def create_server(settings: Settings | None = None) -> GatewayServer:
     cfg = settings or Settings()
     principals = _principals(cfg)
     return build_server(app=_app(cfg, principals=principals), settings=cfg, principals=principals)
+
+
+def serve_workers(settings: Settings, *, env: Mapping[str, str]) -> int:
+    """``kvgate serve --workers N``: the supervisor of N gateway processes, one listening socket each on the same
+    address (app/api/server/supervisor.py); each worker is ``python -m app serve --listen-fd FD`` with this
+    environment and ``env`` (the settings given as flags). The exit status: 2 when the start-up rules refuse the
+    settings or the address cannot be bound, else the supervisor's."""
+    try:
+        warnings = check_serving(settings)
+        socks = bind_sockets(settings.host, settings.port, count=settings.workers)
+    except (ValueError, OSError) as exc:
+        print(f"kvgate: {exc}", file=sys.stderr)
+        return 2
+    for warning in warnings:
+        print(f"kvgate: WARNING: {warning}", file=sys.stderr)
+    logging.basicConfig(level=logging.DEBUG if settings.log_level == "trace" else settings.log_level.upper())
+    print(f"kvgate: {settings.workers} workers on {settings.host}:{socks[0].getsockname()[1]}", file=sys.stderr)
+    return Supervisor(
+        socks=socks,
+        command=lambda fd: [sys.executable, "-m", "app", "serve", "--listen-fd", str(fd)],
+        env={**os.environ, **env, "KVGATE_WORKERS": "1"},
+        # the first generation reconciles once (its first worker); a replacement of a dead worker reconciles itself
+        first_env={"KVGATE_RECONCILE_ON_START": "false"},
+    ).run()
 
 
 def _principals(cfg: Settings) -> Principals | None:

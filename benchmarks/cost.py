@@ -135,15 +135,9 @@ def start_gateway(
 ) -> System:
     (work / name).mkdir()
     env = {"KVGATE_BACKEND__KIND": "fs", "KVGATE_BACKEND__FSYNC": "false", **(extra or {})}
-    if workers != 1:
-        env["KVGATE_WORKERS"] = str(workers)
-    gw = Gateway(work / name / "data", env=env, repo=repo).start()
+    gw = Gateway(work / name / "data", env=env, repo=repo, workers=workers).start()  # every worker ready
     if gw.proc is None:
         raise RuntimeError("gateway did not start")
-    if workers > 1:  # wait until every worker has forked (the supervisor answers once the first is ready)
-        deadline = time.monotonic() + 60
-        while len(process_tree(gw.proc.pid)) < workers + 1 and time.monotonic() < deadline:
-            time.sleep(0.1)
     return System(
         name=name, url=gw.url, target="kvgate", root_pid=gw.proc.pid, stop=gw.stop, root=work / name / "data" / "blocks"
     )

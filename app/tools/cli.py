@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -33,7 +34,9 @@ def serve(
     port: Annotated[int | None, typer.Option(help="port [env KVGATE_PORT; default 8750]")] = None,
     data_dir: Annotated[Path | None, typer.Option(help="data root [env KVGATE_DATA_DIR; ./kvgate-data]")] = None,
     db_url: Annotated[str | None, typer.Option(help="index URL [env KVGATE_DB_URL; SQLite in data dir]")] = None,
-    workers: Annotated[int, typer.Option(help="uvicorn worker processes (PostgreSQL index only)")] = 1,
+    workers: Annotated[
+        int | None, typer.Option(help="gateway processes on one socket, e.g. one per core [env KVGATE_WORKERS; 1]")
+    ] = None,
     tls_certfile: Annotated[
         Path | None, typer.Option(help="serve HTTPS with this certificate chain, PEM [env KVGATE_TLS_CERTFILE]")
     ] = None,
@@ -50,32 +53,39 @@ def serve(
     tls_min_version: Annotated[
         str | None, typer.Option(help="1.2 | 1.3 [env KVGATE_TLS_MIN_VERSION; default 1.2]")
     ] = None,
+    listen_fd: Annotated[int | None, typer.Option(hidden=True, help="(a worker) serve this inherited socket")] = None,
 ) -> None:
-    """Run the gateway (uvicorn with uvloop and httptools); HTTPS with --tls-certfile (reloaded on SIGHUP or change)."""
+    """Run the gateway (uvicorn with uvloop and httptools); HTTPS with --tls-certfile (reloaded on SIGHUP or change);
+    --workers N runs N processes on one socket."""
     from app.config import Settings
     from app.main import create_server
 
     overrides: dict[str, Any] = {"host": host, "port": port, "data_dir": data_dir, "db_url": db_url}
     overrides |= {
+        "workers": workers,
         "tls_certfile": tls_certfile,
         "tls_keyfile": tls_keyfile,
         "tls_client_ca": tls_client_ca,
         "tls_client_auth": tls_client_auth,
         "tls_min_version": tls_min_version,
     }
-    settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
-    if workers != 1:
-        raise typer.BadParameter(
-            "run several gateways as separate processes behind a load balancer", param_hint="workers"
-        )
+    given = {k: v for k, v in overrides.items() if v is not None}
+    settings = Settings(**given)
+    if listen_fd is None and settings.workers > 1:
+        from app.main import serve_workers
+
+        # the workers read the same settings: the flags given here go to them as their variables
+        raise typer.Exit(serve_workers(settings, env={f"KVGATE_{k.upper()}": str(v) for k, v in given.items()}))
     try:
         server = create_server(settings)
     except ValueError as exc:
         typer.echo(f"kvgate: {exc}", err=True)
         raise typer.Exit(2) from exc
-    for warning in server.warnings:
-        typer.echo(f"kvgate: WARNING: {warning}", err=True)
-    if not server.run():
+    if listen_fd is None:  # a worker's supervisor has printed them
+        for warning in server.warnings:
+            typer.echo(f"kvgate: WARNING: {warning}", err=True)
+    started = server.run(None if listen_fd is None else [socket.socket(fileno=listen_fd)])
+    if not started:
         raise typer.Exit(3)  # as uvicorn.run: the server did not start
 
 

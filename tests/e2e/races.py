@@ -21,6 +21,8 @@ from typing import TypeVar
 
 import httpx
 
+from tests.gateway import Gateway
+
 RANGE_SHA = "x-kvgate-range-sha256"
 DIGEST = "x-kvgate-sha256"
 T = TypeVar("T")
@@ -159,7 +161,8 @@ def assert_fs_agrees(data_dir: Path) -> dict[str, tuple[int, str]]:
 def assert_http_agrees(url: str, keys: list[str], ledger: Ledger) -> dict[str, str]:
     """HEAD, GET and lookup answer the same version of each key (or the same miss); key -> digest of the present."""
     present: dict[str, str] = {}
-    with httpx.Client(base_url=url, timeout=30) as c:
+    # a connection per request: behind several workers (kvgate serve --workers), each answer may come from another
+    with httpx.Client(base_url=url, timeout=30, limits=httpx.Limits(max_keepalive_connections=0)) as c:
         look = c.post("/v1/lookup", json={"keys": keys})
         assert look.status_code == 200, look.text
         slots = {b["key"]: b for b in look.json()["blocks"]}
@@ -177,6 +180,16 @@ def assert_http_agrees(url: str, keys: list[str], ledger: Ledger) -> dict[str, s
             assert slot["present"] and slot["etag"].strip('"') == tag, (key, slot)
             present[key] = tag
     return present
+
+
+def all_served(gw: Gateway, before: dict[int, float]) -> None:
+    """Every worker of ``gw`` did a share of the work since ``before`` (``Gateway.worker_cpu``): a test run against
+    several workers did exercise them all, not one while the others idled."""
+    after = gw.worker_cpu()
+    used = {pid: after[pid] - before.get(pid, 0.0) for pid in after}
+    assert len(used) == gw.workers, (before, after)
+    total = sum(used.values())
+    assert all(u >= 0.1 * total for u in used.values()), f"CPU seconds by worker: {used}"
 
 
 def assert_stats_exact(url: str, rows: dict[str, tuple[int, str]]) -> None:

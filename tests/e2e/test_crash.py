@@ -1,4 +1,5 @@
-"""kill -9 in the middle of a stream of concurrent PUTs: every acknowledged PUT survives byte-identical."""
+"""kill -9 in the middle of a stream of concurrent PUTs: every acknowledged PUT survives byte-identical (one
+gateway process, and two workers with their supervisor killed at once)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.conftest import key_for, random_bytes, sha
 from tests.gateway import Gateway
@@ -30,8 +32,9 @@ async def _writer(url: str, ids: list[int], acked: dict[str, str], stop: threadi
                 acked[key_for(i)] = sha(data)
 
 
-def test_kill9_mid_stream(tmp_path: Path) -> None:
-    gw = Gateway(tmp_path / "data").start()
+@pytest.mark.parametrize("workers", [1, 2], ids=["1-worker", "2-workers"])
+def test_kill9_mid_stream(tmp_path: Path, workers: int) -> None:
+    gw = Gateway(tmp_path / "data", workers=workers).start()
     acked: dict[str, str] = {}
     stop = threading.Event()
 

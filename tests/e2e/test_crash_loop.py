@@ -3,7 +3,8 @@
 After each restart: every row's digest is the sha256 of its file (and rows and files name the same keys); every
 key holds its last acknowledged version or the one in flight when the gateway died, never an older or an unsent
 one; every acknowledged write is there on the cycles without a capacity bound (eviction may remove blocks on the
-others); and nothing that was answered with an error is there.
+others); and nothing that was answered with an error is there. With one gateway process (10 cycles) and with two
+workers, supervisor and workers killed at once (4 cycles: each start of two workers takes longer).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.conftest import key_for, random_bytes, sha
 from tests.e2e.races import assert_fs_agrees, fs_files
@@ -98,20 +100,21 @@ async def _load(url: str, logs: dict[str, KeyLog], cycle: int, stop: threading.E
         await asyncio.gather(*(overwriter(w) for w in range(4)), parter(), reader())
 
 
-def test_kill9_loop_keeps_one_version_per_key(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("workers", "cycles"), [(1, CYCLES), (2, 4)], ids=["1-worker", "2-workers"])
+def test_kill9_loop_keeps_one_version_per_key(tmp_path: Path, workers: int, cycles: int) -> None:
     logs = {k: KeyLog() for k in [*OVERWRITTEN, *PARTED]}
     data_dir = tmp_path / "data"
     evicting = {"KVGATE_MAX_BYTES": str(40 * BLOCK), "KVGATE_EVICTION_INTERVAL_S": "0.1"}
     gw: Gateway | None = None
     evicted = False
-    for cycle in range(CYCLES):
+    for cycle in range(cycles):
         # recovery is checked on an unbounded gateway (nothing is evicted while the files are compared)
-        gw = Gateway(data_dir, port=gw.port if gw else None).start()
+        gw = Gateway(data_dir, port=gw.port if gw else None, workers=workers).start()
         _check_after_restart(gw, logs, evicted=evicted)
         evicted = cycle % 2 == 1
         if evicted:
             gw.stop()
-            gw = Gateway(data_dir, env=evicting, port=gw.port).start()
+            gw = Gateway(data_dir, env=evicting, port=gw.port, workers=workers).start()
         stop = threading.Event()
         t = threading.Thread(target=asyncio.run, args=(_load(gw.url, logs, cycle, stop),))
         t.start()
@@ -121,7 +124,7 @@ def test_kill9_loop_keeps_one_version_per_key(tmp_path: Path) -> None:
         t.join(60)
         assert not t.is_alive()
     assert gw is not None
-    gw = Gateway(data_dir, port=gw.port).start()
+    gw = Gateway(data_dir, port=gw.port, workers=workers).start()
     try:
         _check_after_restart(gw, logs, evicted=evicted)
         assert sum(log.acks for log in logs.values()) > 50

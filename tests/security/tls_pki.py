@@ -163,8 +163,9 @@ class TlsGateway(Gateway):
         ready_cert: tuple[Path, Path] | None = None,
         ready_verify: bool = True,
         env: Mapping[str, str] | None = None,
+        workers: int = 1,
     ) -> None:
-        super().__init__(data_dir, env=env)
+        super().__init__(data_dir, env=env, workers=workers)
         self.ca = ca
         self.ready_cert = ready_cert
         self.ready_verify = ready_verify
@@ -180,10 +181,14 @@ class TlsGateway(Gateway):
         if not self.ready_verify:  # a test of a certificate that no client may accept
             ctx.check_hostname = False
             ctx.verify_mode = ssl.CERT_NONE
-        self._spawn(
-            [sys.executable, "-m", "app", "serve", "--port", str(self.port)],
-            env=env,
-            ready=lambda: httpx.get(f"{self.url}/readyz", timeout=1.0, verify=ctx).status_code == 200,
-            timeout_s=timeout_s,
-        )
+        argv = [sys.executable, "-m", "app", "serve", "--port", str(self.port)]
+        if self.workers > 1:
+            argv += ["--workers", str(self.workers)]
+
+        def ready() -> bool:
+            if httpx.get(f"{self.url}/readyz", timeout=1.0, verify=ctx).status_code != 200:
+                return False
+            return self.workers == 1 or self.all_workers_ready()
+
+        self._spawn(argv, env=env, ready=ready, timeout_s=timeout_s)
         return self

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,9 +47,10 @@ class GatewayServer:
     warnings: list[str] = field(default_factory=list)
     """What the start-up rules warn about (printed by ``kvgate serve``)."""
 
-    async def serve(self) -> None:
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         """Serve until told to stop (``server.should_exit``, or SIGINT/SIGTERM in the main thread); SIGHUP reloads
-        every file, and each reloader with an interval watches its files."""
+        every file, and each reloader with an interval watches its files. ``sockets``: listen on these (a worker of
+        ``kvgate serve --workers``) instead of binding the configured address."""
         loop = asyncio.get_running_loop()
         running: set[asyncio.Task[bool]] = set()
 
@@ -63,7 +65,7 @@ class GatewayServer:
                 loop.add_signal_handler(signal.SIGHUP, on_sighup)  # the main thread only
         watchers = [asyncio.create_task(r.watch()) for r in self.reloaders if r.interval_s > 0]
         try:
-            await self.server.serve()
+            await self.server.serve(sockets=sockets)
         finally:
             for task in watchers:
                 task.cancel()
@@ -71,12 +73,22 @@ class GatewayServer:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
 
-    def run(self) -> bool:
+    def run(self, sockets: list[socket.socket] | None = None) -> bool:
         """Serve on the configured loop (uvloop) until stopped; whether the server started (``uvicorn.run`` exits
         with status 3 when it did not)."""
         with asyncio.Runner(loop_factory=self.server.config.get_loop_factory()) as runner:
-            runner.run(self.serve())
+            runner.run(self.serve(sockets))
         return bool(self.server.started)
+
+
+def check_serving(settings: Settings) -> list[str]:
+    """The start-up rules (the bind, TLS): their warnings, or ValueError with the reason they refuse to serve, and
+    the TLS files loaded once (a file that cannot be loaded is a ValueError naming it)."""
+    check_bind(settings)
+    warnings = bind_warnings(settings)
+    if settings.tls_enabled:
+        TlsContexts(settings=settings)
+    return warnings
 
 
 def build_server(*, app: ASGIApp, settings: Settings, principals: Principals | None) -> GatewayServer:

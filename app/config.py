@@ -155,6 +155,9 @@ class Settings(BaseSettings):
         default=5.0, gt=0, description="background eviction check period (usage is read from the index as often)"
     )
     eviction_batch: int = Field(default=256, gt=0, description="LRU candidates fetched per eviction round")
+    max_parts_per_object: int = Field(
+        default=256, gt=0, description="most parts (Content-Range PUTs) one object is stored as; past it 409"
+    )
     stale_upload_s: float = Field(
         default=600.0,
         gt=0,

@@ -50,7 +50,7 @@ async def open_core(
         )
         usage = Usage()
         versions = Versions(store=store, index=index, locks=locks, cache=meta_cache, usage=usage, events=events)
-        parts = PartAssembler(store=store, index=index, versions=versions)
+        parts = PartAssembler(store=store, index=index, versions=versions, max_parts=settings.max_parts_per_object)
         upkeep = Upkeep(versions=versions, parts=parts, store=store, index=index)
         capacity = Capacity(usage=usage, upkeep=upkeep, index=index, coordinator=coordinator, settings=settings)
         service = BlockService(

@@ -6,13 +6,17 @@ invisible (no ``blocks`` row: HEAD/GET 404, lookup miss) until the parts cover `
 completes the cover stages the object, commits it through its key's Change (row, then publish), then drops the parts.
 Stored part bytes count against capacity until then. Two ways to keep the data:
 
-- **In place** (a store with ``write_at``/``stage_upload``: the filesystem): the parts of one object are written
+- **In place** (a store with ``place``/``stage_upload``: the filesystem): the parts of one object are written
   at their offsets into one upload file, ``_parts/<key>.upload.<uuid>``, the object's own file to be. A part's body
-  is received and checked first, then written under the key's lock, only into a range no recorded part holds, and
+  is streamed to a staged file of its own and checked first (nothing of it is held in memory, whatever its size),
+  then copied in the kernel into the upload under the key's lock, only into a range no recorded part holds, and
   recorded. The completing PUT reads the file once (each part's digest checked, the whole hashed) and stages it by
-  a hard link: the parts become the object, with no second copy of the bytes.
+  a hard link: the parts become the object, with no further copy of the bytes.
 - **One object per part** (S3, memory): ``_parts/<key>/<start>-<end>.<uuid>``, written outside any lock (each has
   its own store key); the completing PUT streams them, in order and checked, through a staged version.
+
+Bounds: an object has at most ``max_parts`` parts (a further one is a 409); checking a new part against the
+recorded ones looks at its two neighbours (the parts are ordered and do not overlap), not at every earlier part.
 
 Concurrency: the bookkeeping and the assembly hold the key (``Versions.change``), which every process of a data
 directory shares, so an upload file is written by one part at a time and assembled once. Across replicas sharing
@@ -25,6 +29,7 @@ parts gone while reading checks that the object was published by the other.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import logging
 import uuid
@@ -47,6 +52,10 @@ UPLOAD_MARK = ".upload."
 """An upload file's store key is ``_parts/<key>.upload.<uuid>`` (in-place parts: the data sits at the part's
 offset). A file beside its key's place, not a directory per key: the directories under ``_parts/`` are the blocks'
 own few, shared by all keys, so finished uploads leave none behind."""
+STAGED_PART = ".part"
+"""An in-place part is staged as ``_parts/<key>.part`` (a staged file beside the upload) before it is placed."""
+MAX_PARTS = 256
+"""The default bound on an object's parts (``Settings.max_parts_per_object``)."""
 
 
 def in_upload(part: PartRecord) -> bool:
@@ -76,14 +85,21 @@ class PartOutcome:
 
 
 def _check_against(parts: list[PartRecord], span: ByteSpan, digest: str | None) -> PartRecord | None:
-    """The identical part already recorded (or None); Conflict on another total or an overlapping range."""
-    for p in parts:
-        if p.total != span.total:
-            raise Conflict(f"part says the object has {span.total} bytes, an earlier part said {p.total}")
+    """The identical part already recorded (or None); Conflict on another total or an overlapping range. ``parts``
+    are ordered by start and do not overlap (each was checked so when recorded): only the neighbours of ``span``
+    can overlap it, found by bisection."""
+    if parts and parts[0].total != span.total:
+        raise Conflict(f"part says the object has {span.total} bytes, an earlier part said {parts[0].total}")
+    i = bisect.bisect_left(parts, span.start, key=lambda p: p.start)
+    if i < len(parts):
+        p = parts[i]
         if p.start == span.start and p.end == span.end and (digest is None or digest == p.digest):
             return p
-        if p.start < span.end and span.start < p.end:
+        if p.start < span.end:
             raise Conflict(f"bytes {span.start}-{span.end - 1} overlap the stored part {p.start}-{p.end - 1}")
+    if i > 0 and parts[i - 1].end > span.start:
+        p = parts[i - 1]
+        raise Conflict(f"bytes {span.start}-{span.end - 1} overlap the stored part {p.start}-{p.end - 1}")
     return None
 
 
@@ -95,13 +111,8 @@ def _complete(path: str, size: int, digest: str, span: ByteSpan, part_digest: st
 
 
 def covers(parts: list[PartRecord], total: int) -> bool:
-    """Do ``parts`` (ordered by start, non-overlapping) cover ``[0, total)`` exactly?"""
-    pos = 0
-    for p in parts:
-        if p.start != pos:
-            return False
-        pos = p.end
-    return pos == total
+    """Do ``parts`` (non-overlapping, each inside ``[0, total)``) cover ``[0, total)`` exactly?"""
+    return sum(p.end - p.start for p in parts) == total
 
 
 class PartAssembler:
@@ -109,10 +120,11 @@ class PartAssembler:
     (``Versions.change``: across the processes of a machine; across replicas, PostgreSQL holds the key for each
     part's recording transaction, so the part that completes a cover sees all the others)."""
 
-    def __init__(self, *, store: BlockStore, index: Index, versions: Versions) -> None:
+    def __init__(self, *, store: BlockStore, index: Index, versions: Versions, max_parts: int = MAX_PARTS) -> None:
         self._store = store
         self._index = index
         self._versions = versions
+        self._max_parts = max_parts
 
     async def put_part(
         self, key: BlockKey, body: AsyncIterable[bytes], *, span: ByteSpan, part_digest: str | None
@@ -123,7 +135,8 @@ class PartAssembler:
         existing, parts = await self._index.part_state(path)
         if existing is not None:
             return await self._already_complete(path, existing.size, existing.digest, body, span, part_digest)
-        _check_against(parts, span, part_digest)  # fail fast, before any byte is kept
+        if _check_against(parts, span, part_digest) is None:  # fail fast, before any byte is kept
+            self._check_room(parts, span)
         store_key = f"{PARTS_PREFIX}{path}/{span.start}-{span.end}.{uuid.uuid4().hex}"
         stored = await self._store.put(store_key, body, size=span.size, expected_digest=part_digest)
         keep = False
@@ -142,29 +155,38 @@ class PartAssembler:
     async def _put_in_place(
         self, key: BlockKey, body: AsyncIterable[bytes], *, span: ByteSpan, part_digest: str | None
     ) -> PartOutcome:
-        """Receive and check the part's body, then, holding the key, write it into the object's upload file
-        (one index read and one write per part)."""
-        checker = BodyChecker(size=span.size, expected_digest=part_digest)
-        pieces: list[bytes] = []
-        async for chunk in body:  # a part is a block's 1/tp: held in memory until its range is known to be free
-            checker.update(chunk)
-            pieces.append(chunk)
-        digest = checker.finish().digest
+        """Stream the part's body to a staged file and check it, then, holding the key, copy it into the object's
+        upload file (one index read and one write per part)."""
         path = key.path
-        async with self._versions.change(path) as change:
-            existing, parts = await self._index.part_state(path)
-            if existing is not None:  # complete: by an earlier writer, or by another while our bytes arrived
-                return _complete(path, existing.size, existing.digest, span, digest)
-            if _check_against(parts, span, digest) is not None:  # the same part again: nothing is written
-                return (await self._record(change, key, span, digest, "", parts))[0]
-            upload = one_upload(parts) if parts else f"{PARTS_PREFIX}{path}{UPLOAD_MARK}{uuid.uuid4().hex}"
-            if upload is None:  # parts kept one object each (written before in-place parts): keep to that
-                upload = f"{PARTS_PREFIX}{path}/{span.start}-{span.end}.{uuid.uuid4().hex}"
-                await self._store.put(upload, _replay(pieces), size=span.size, expected_digest=digest)
-            else:
-                await self._store.write_at(upload, span.start, pieces)
-            outcome, _ = await self._record(change, key, span, digest, upload, parts)
-            return outcome
+        staged = await self._store.stage(
+            f"{PARTS_PREFIX}{path}{STAGED_PART}", body, size=span.size, expected_digest=part_digest
+        )
+        try:
+            digest = staged.meta.digest
+            async with self._versions.change(path) as change:
+                existing, parts = await self._index.part_state(path)
+                if existing is not None:  # complete: by an earlier writer, or by another while our bytes arrived
+                    return _complete(path, existing.size, existing.digest, span, digest)
+                if _check_against(parts, span, digest) is not None:  # the same part again: nothing is written
+                    return (await self._record(change, key, span, digest, "", parts))[0]
+                upload = one_upload(parts) if parts else f"{PARTS_PREFIX}{path}{UPLOAD_MARK}{uuid.uuid4().hex}"
+                offset = span.start
+                if upload is None:  # parts kept one object each (written before in-place parts): keep to that
+                    upload, offset = f"{PARTS_PREFIX}{path}/{span.start}-{span.end}.{uuid.uuid4().hex}", 0
+                self._check_room(parts, span)
+                await self._store.place(upload, offset, staged)
+                outcome, _ = await self._record(change, key, span, digest, upload, parts)
+                return outcome
+        finally:
+            await self._versions.discard(staged)
+
+    def _check_room(self, parts: list[PartRecord], span: ByteSpan) -> None:
+        """Conflict if one more part would take the object past ``max_parts``."""
+        if len(parts) >= self._max_parts:
+            raise Conflict(
+                f"the object has {len(parts)} parts stored, at most {self._max_parts}: send it in fewer, larger parts "
+                f"(bytes {span.start}-{span.end - 1} refused)"
+            )
 
     async def _record(
         self, change: Change, key: BlockKey, span: ByteSpan, digest: str, store_key: str, parts: list[PartRecord]
@@ -175,6 +197,7 @@ class PartAssembler:
         same = _check_against(parts, span, digest)
         keep = False
         if same is None:
+            self._check_room(parts, span)
             record = PartRecord(
                 key=path, start=span.start, end=span.end, total=span.total, digest=digest, store_key=store_key
             )
@@ -259,8 +282,3 @@ class PartAssembler:
         stored = {part.store_key for part in parts}  # in place: one upload file holds them all
         await asyncio.gather(*(self._store.delete(store_key) for store_key in stored), return_exceptions=True)
         return removed
-
-
-async def _replay(pieces: list[bytes]) -> AsyncIterator[bytes]:
-    for piece in pieces:
-        yield piece

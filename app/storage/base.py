@@ -98,7 +98,7 @@ class BlockStore(Protocol):
     """Each version is an object of its own (S3): a replaced version lingers until it is retired. Otherwise a key
     holds one version at a time (its file), which publishing replaces."""
     uploads: ClassVar[bool] = False
-    """The parts of a multi-part object can be written into the object's own upload (``write_at``,
+    """The parts of a multi-part object can be written into the object's own upload (``place``,
     ``stage_upload``: the filesystem); otherwise each part is a plain object of its own."""
 
     async def start(self) -> None: ...
@@ -196,9 +196,9 @@ class BlockStore(Protocol):
         """Remove empty directories under ``prefix`` untouched for ``older_than_s``; how many. Default: none."""
         return 0
 
-    async def write_at(self, key: str, offset: int, pieces: Sequence[bytes]) -> None:
-        """(``uploads`` stores) Write ``pieces`` at ``offset`` of upload ``key`` (created if missing), durably if
-        the store fsyncs."""
+    async def place(self, key: str, offset: int, source: Staged) -> None:
+        """(``uploads`` stores) Copy the bytes of ``source`` (a part written by ``stage``, checked) to ``offset`` of
+        upload ``key`` (created if missing), durably if the store fsyncs; ``source`` stays staged (discard it)."""
         raise TypeError(f"{type(self).__name__} writes no parts in place (uploads is False)")
 
     async def stage_upload(self, key: str, target: str, regions: Sequence[Region], total: int) -> Staged:

@@ -32,6 +32,7 @@ from app.storage.base import (
 from app.storage.fs_files import (
     TEMP_PREFIX,
     batched,
+    copy_range,
     create_locked,
     drop_unlocked,
     find_leftovers,
@@ -185,10 +186,13 @@ class FilesystemStore(BlockStore):
                 os.close(fd)
             raise
 
-    async def write_at(self, key: str, offset: int, pieces: Sequence[bytes]) -> None:
-        """Write ``pieces`` at ``offset`` of upload file ``key`` (created if missing; fsynced if the store fsyncs).
-        The caller orders writes to one upload (app/core/parts.py: under the key's lock, checked regions only)."""
+    async def place(self, key: str, offset: int, source: Staged) -> None:
+        """Copy staged part ``source`` into upload file ``key`` at ``offset`` (created if missing; fsynced if the
+        store fsyncs), in the kernel (``copy_file_range``): no byte of it passes through memory here. The caller
+        orders writes to one upload (app/core/parts.py: under the key's lock, checked regions only)."""
         path = self.path_of(key)
+        temp = source.handle
+        assert isinstance(temp, _Temp)
 
         def run() -> None:
             flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC
@@ -198,7 +202,7 @@ class FilesystemStore(BlockStore):
                 path.parent.mkdir(parents=True, exist_ok=True)
                 fd = os.open(path, flags, 0o644)
             try:
-                write_all(fd, pieces, offset)
+                copy_range(temp.fd, fd, size=source.meta.size, offset=offset, chunk_bytes=self._chunk)
                 if self._fsync:
                     os.fsync(fd)
             finally:
@@ -386,5 +390,5 @@ class FilesystemStore(BlockStore):
 
     async def remove_empty_dirs(self, prefix: str, *, older_than_s: float) -> int:
         """Remove empty directories under ``prefix`` (not ``prefix`` itself) untouched for ``older_than_s``; how
-        many. A write that needs one again makes it again (``write_at``, ``stage``)."""
+        many. A write that needs one again makes it again (``place``, ``stage``)."""
         return await io(sweep_empty_dirs, self.path_of(prefix.rstrip("/")), older_than_s, what="sweep")

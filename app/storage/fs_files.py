@@ -27,7 +27,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from app.errors import BackendUnavailable, InsufficientStorage
+from app.errors import BackendUnavailable, InsufficientStorage, SizeMismatch
 from app.storage.base import BodyChecker, ObjectInfo, Version
 from app.threads import run_sync
 
@@ -160,6 +160,32 @@ def write_all(fd: int, pieces: Sequence[bytes], offset: int | None) -> None:
             written -= len(views.pop(0))
         if views and written:
             views[0] = views[0][written:]
+
+
+_NO_COPY_RANGE = (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM)
+"""errnos of a kernel or filesystem pair without copy_file_range between these files: copied through user space."""
+
+
+def copy_range(src: int, dst: int, *, size: int, offset: int, chunk_bytes: int) -> None:
+    """Bytes ``[0, size)`` of the file open as ``src`` to ``offset`` of the file open as ``dst``: in the kernel
+    (``copy_file_range``), else ``chunk_bytes`` at a time through user space. SizeMismatch if ``src`` is shorter."""
+    done = 0
+    try:
+        while done < size:
+            n = os.copy_file_range(src, dst, size - done, done, offset + done)
+            if n == 0:
+                raise SizeMismatch(f"staged part ended after {done} of {size} bytes")
+            done += n
+        return
+    except OSError as exc:
+        if exc.errno not in _NO_COPY_RANGE:
+            raise
+    while done < size:
+        data = os.pread(src, min(chunk_bytes, size - done), done)
+        if not data:
+            raise SizeMismatch(f"staged part ended after {done} of {size} bytes")
+        write_all(dst, [data], offset + done)
+        done += len(data)
 
 
 def fsync_dir(path: Path) -> None:

@@ -252,3 +252,37 @@ async def test_in_place_parts_on_a_filesystem_without_hard_links(
     got = await fs_gw.client.get(f"/v1/blocks/{key}")
     assert got.status_code == 200 and got.content == blob and got.headers["etag"] == f'"{sha(blob)}"'
     assert part_files(tmp_path) == [] and (tmp_path / "blocks" / key).read_bytes() == blob
+
+
+@pytest.mark.parametrize("backend", ["memory", "fs"])
+async def test_an_object_has_at_most_max_parts_parts(tmp_path: Path, backend: str) -> None:
+    """Past ``max_parts_per_object`` recorded parts a new part is a 409 and holds nothing; re-sending a recorded
+    part is still answered as before, and the object completes from its parts within the bound."""
+    async with running(settings_for(tmp_path, max_parts_per_object=4, fs=backend == "fs")) as g:
+        key, blob = key_for(70), random_bytes(600, seed=70)
+        for start in (0, 100, 200, 300):
+            assert (await put_part(g.client, key, blob, start, start + 100)).status_code == 202
+        r = await put_part(g.client, key, blob, 400, 500)
+        assert r.status_code == 409 and "at most 4" in r.json()["error"]["message"], r.text
+        assert (await g.stats())["usage_bytes"] == 400
+        assert (await put_part(g.client, key, blob, 0, 100)).status_code == 200  # the same part again
+        key2, blob2 = key_for(71), random_bytes(400, seed=71)
+        for start, status in ((0, 202), (100, 202), (200, 202), (300, 201)):
+            assert (await put_part(g.client, key2, blob2, start, start + 100)).status_code == status
+        assert (await g.client.get(f"/v1/blocks/{key2}")).content == blob2
+
+
+@pytest.mark.parametrize("backend", ["memory", "fs"])
+async def test_a_part_is_checked_against_its_neighbours(tmp_path: Path, backend: str) -> None:
+    """With parts recorded at [0,100), [200,300), [400,500) of 600 bytes, each candidate is refused (409) exactly
+    when it overlaps a recorded part (the brute-force answer), and accepted otherwise."""
+    recorded = [(0, 100), (200, 300), (400, 500)]
+    candidates = [(150, 250), (250, 350), (50, 150), (450, 600), (100, 200), (300, 400), (500, 600), (199, 201)]
+    for n, (a, b) in enumerate(candidates):
+        async with running(settings_for(tmp_path / str(n), fs=backend == "fs")) as g:
+            key, blob = key_for(80 + n), random_bytes(600, seed=80 + n)
+            for start, end in recorded:
+                assert (await put_part(g.client, key, blob, start, end)).status_code == 202
+            overlaps = any(a < end and start < b for start, end in recorded)
+            r = await put_part(g.client, key, blob, a, b)
+            assert r.status_code == (409 if overlaps else 202), ((a, b), r.text)

@@ -29,17 +29,30 @@ T = TypeVar("T")
 MAX_THREADS = 40
 """As anyio's default: blocking file calls on a slow disk (an fsync) may each hold a thread."""
 
-_Item = tuple[Callable[..., Any], tuple[Any, ...], "asyncio.Future[Any]", asyncio.AbstractEventLoop]
 
+class _Call:
+    """One call handed to a thread; ``finish`` runs on the caller's loop when it has ended."""
 
-def _resolve(fut: asyncio.Future[Any], result: Any) -> None:
-    if not fut.done():
-        fut.set_result(result)
+    __slots__ = ("args", "ended", "fn", "fut", "loop", "waiter")
 
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], loop: asyncio.AbstractEventLoop) -> None:
+        self.fn = fn
+        self.args = args
+        self.loop = loop
+        self.fut: asyncio.Future[Any] = loop.create_future()
+        self.ended = False
+        self.waiter: asyncio.Future[None] | None = None
+        """Set when the caller was cancelled: it waits on this for the call to end."""
 
-def _reject(fut: asyncio.Future[Any], exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)
+    def finish(self, ok: bool, value: Any) -> None:
+        self.ended = True
+        if not self.fut.done():
+            if ok:
+                self.fut.set_result(value)
+            else:
+                self.fut.set_exception(value)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
 
 
 class Threads:
@@ -48,32 +61,28 @@ class Threads:
     def __init__(self, *, max_threads: int = MAX_THREADS, name: str = "kvgate-io") -> None:
         self._max = max_threads
         self._name = name
-        self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._idle = 0
         """Threads waiting for a call, less the calls handed to them and not yet taken."""
         self._threads: list[threading.Thread] = []
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[T] = loop.create_future()
-        self._submit((fn, args, fut, loop))
+        call = _Call(fn, args, asyncio.get_running_loop())
+        self._submit(call)
         try:
-            return await asyncio.shield(fut)
+            result: T = await call.fut
         except asyncio.CancelledError:
             # the call runs on to its end: wait for it (through further cancellations), then be cancelled
-            while not fut.done():
-                try:
-                    await asyncio.shield(fut)
-                except asyncio.CancelledError:
-                    continue
-                except BaseException:
-                    break
-            if not fut.cancelled():
-                fut.exception()  # retrieved: no "exception was never retrieved" for a result nobody awaits
+            if not call.ended:
+                call.waiter = call.loop.create_future()
+                while not call.ended:
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.shield(call.waiter)
             raise
+        return result
 
-    def _submit(self, item: _Item) -> None:
+    def _submit(self, item: _Call) -> None:
         with self._lock:
             if self._idle > 0:
                 self._idle -= 1
@@ -89,22 +98,18 @@ class Threads:
 
     def _work(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is None:
+            call = self._queue.get()
+            if call is None:
                 return
-            fn, args, fut, loop = item
             try:
-                result = fn(*args)
+                ok, value = True, call.fn(*call.args)
             except BaseException as exc:
-                done: Callable[..., None] = _reject
-                value: Any = exc
-            else:
-                done, value = _resolve, result
+                ok, value = False, exc
             with self._lock:
                 self._idle += 1
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits for this call any more
-                loop.call_soon_threadsafe(done, fut, value)
-            del item, fn, args, fut, loop, value
+                call.loop.call_soon_threadsafe(call.finish, ok, value)
+            del call, value
 
     def close(self) -> None:
         """Let every thread end once the calls handed to it are done (a pool of a test's own)."""
@@ -113,21 +118,28 @@ class Threads:
         self._threads.clear()
 
 
-_default: tuple[int, Threads] | None = None
+_default: Threads | None = None
 _default_lock = threading.Lock()
+
+
+def _forget_in_child() -> None:
+    global _default
+    _default = None
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def threads() -> Threads:
     """This process's pool (a child after ``fork`` makes its own: threads do not cross a fork)."""
     global _default
-    pid = os.getpid()
-    current = _default
-    if current is not None and current[0] == pid:
-        return current[1]
+    pool = _default
+    if pool is not None:
+        return pool
     with _default_lock:
-        if _default is None or _default[0] != pid:
-            _default = (pid, Threads())
-        return _default[1]
+        if _default is None:
+            _default = Threads()
+        return _default
 
 
 async def run_sync(fn: Callable[..., T], *args: Any) -> T:

@@ -10,6 +10,7 @@ file still being that version, and durable (the directory is fsynced) before it 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -49,6 +50,7 @@ from app.storage.fs_files import (
     roll_forward_file,
     seal_stamp,
     sweep_empty_dirs,
+    temp_file,
     temp_name,
     walk_files,
     write_all,
@@ -61,7 +63,7 @@ __all__ = ["TEMP_PREFIX", "FilesystemStore", "FsReader"]
 class _Temp:
     """A staged file and the descriptor that holds its writer's lock (closed by publish or discard)."""
 
-    path: Path
+    path: str | Path
     fd: int
 
     def close(self) -> None:
@@ -100,6 +102,7 @@ class FilesystemStore(BlockStore):
 
     def __init__(self, *, root: Path, fsync: bool = True, chunk_bytes: int = 4 * 1024 * 1024) -> None:
         self.root = root.resolve()
+        self._root = str(self.root)
         self._fsync = fsync
         self._chunk = chunk_bytes
 
@@ -126,12 +129,15 @@ class FilesystemStore(BlockStore):
 
     def path_of(self, key: str) -> Path:
         """The file of ``key``; keys are validated by contract.keys, this is defence in depth."""
-        parts = key.split("/")
-        if key.startswith("/") or "\\" in key or "\0" in key or any(p in ("", ".", "..") for p in parts):
-            raise InvalidRequest(f"unsafe key {key[:120]!r}")
-        if any(p.startswith(".") for p in parts):
-            raise InvalidRequest("key segments must not start with '.'")
-        return self.root.joinpath(*parts)
+        return Path(self.file_of(key))
+
+    def file_of(self, key: str) -> str:
+        """``path_of`` as a string, for the data path (a ``Path`` costs more to build than the write it names)."""
+        if not key or "\\" in key or "\0" in key or "//" in key or key.startswith(("/", ".")) or key.endswith("/"):
+            raise InvalidRequest(f"unsafe key {key[:120]!r}")  # an empty segment
+        if "/." in key:
+            raise InvalidRequest("key segments must not start with '.'")  # '.' and '..' among them
+        return f"{self._root}/{key}"
 
     # -- writes ----------------------------------------------------------------------------------------------
 
@@ -151,7 +157,7 @@ class FilesystemStore(BlockStore):
     ) -> Staged:
         """Stream ``body`` into a staged file beside the key's file, check it, stamp it, fsync it; not renamed."""
         vid = new_id()
-        tmp = temp_name(vid, self.path_of(key))
+        tmp = temp_file(vid, self.file_of(key))
         checker = BodyChecker(size=size, expected_digest=expected_digest)
         fd = -1
 
@@ -182,7 +188,8 @@ class FilesystemStore(BlockStore):
                 pending = following
         except BaseException:
             if fd >= 0:
-                tmp.unlink(missing_ok=True)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
                 os.close(fd)
             raise
 
@@ -266,13 +273,13 @@ class FilesystemStore(BlockStore):
         """Rename the staged file over the key's file (atomic), then fsync the directory."""
         temp = staged.handle
         assert isinstance(temp, _Temp)
-        final = self.path_of(staged.key)
+        final = self.file_of(staged.key)
 
         def rename() -> None:
             try:
                 os.replace(temp.path, final)
                 if self._fsync:
-                    fsync_dir(final.parent)
+                    fsync_dir(os.path.dirname(final))
             finally:
                 temp.close()
 
@@ -284,7 +291,8 @@ class FilesystemStore(BlockStore):
 
         def drop() -> None:
             try:
-                temp.path.unlink(missing_ok=True)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(temp.path)
             finally:
                 temp.close()
 
@@ -333,7 +341,7 @@ class FilesystemStore(BlockStore):
 
     async def open(self, key: str, *, stamp: str | None = None) -> FsReader:
         """Open the key's file; with ``stamp``, only if the open file is that version (the fd then pins it)."""
-        path = self.path_of(key)
+        path = self.file_of(key)
 
         def do_open() -> tuple[int, int, str]:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)

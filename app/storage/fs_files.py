@@ -116,6 +116,12 @@ def temp_name(vid: str, final: Path) -> Path:
     return final.parent / f"{TEMP_PREFIX}{vid}.{final.name}"
 
 
+def temp_file(vid: str, final: str) -> str:
+    """``temp_name`` of a path given as a string."""
+    parent, _, name = final.rpartition("/")
+    return f"{parent}/{TEMP_PREFIX}{vid}.{name}"
+
+
 def parse_temp(name: str) -> tuple[str, str] | None:
     """``.kvgate-tmp-<id>.<name>`` -> (id, name); None for any other file name."""
     if not name.startswith(TEMP_PREFIX):
@@ -137,13 +143,13 @@ def lock_file(fd: int, *, wait: bool = False) -> bool:
     return True
 
 
-def create_locked(path: Path) -> int:
+def create_locked(path: str | Path) -> int:
     """Create ``path`` (exclusively, its directory if need be) and hold the writer's lock on it."""
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
     try:  # the key's directory is there for all but a prefix's first block: no mkdir walk per PUT
         fd = os.open(path, flags, 0o644)
     except FileNotFoundError:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         fd = os.open(path, flags, 0o644)
     lock_file(fd)
     return fd
@@ -188,7 +194,7 @@ def copy_range(src: int, dst: int, *, size: int, offset: int, chunk_bytes: int) 
         done += len(data)
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_dir(path: str | Path) -> None:
     dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(dfd)

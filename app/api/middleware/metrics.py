@@ -70,6 +70,10 @@ class MetricsMiddleware:
     def __init__(self, app: ASGIApp, *, metrics: HttpMetrics) -> None:
         self.app = app
         self.m = metrics
+        # the labelled children, looked up once each (``labels()`` takes a lock and builds a key every call); as
+        # bounded as the labels: methods x route templates x statuses
+        self._counted: dict[tuple[str, str, int], Any] = {}
+        self._timed: dict[tuple[str, str], Any] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -102,8 +106,15 @@ class MetricsMiddleware:
             route = scope.get("route")
             template = getattr(route, "path_format", None) or getattr(route, "path", None) or UNMATCHED
             method = scope.get("method", "")
-            self.m.requests.labels(method, template, str(status)).inc()
-            self.m.latency.labels(method, template).observe(time.perf_counter() - began)
+            key = (method, template, status)
+            counted = self._counted.get(key)
+            if counted is None:
+                counted = self._counted[key] = self.m.requests.labels(method, template, str(status))
+            counted.inc()
+            timed = self._timed.get((method, template))
+            if timed is None:
+                timed = self._timed[(method, template)] = self.m.latency.labels(method, template)
+            timed.observe(time.perf_counter() - began)
             if received:
                 self.m.bytes_in.inc(received)
             if sent:

@@ -86,6 +86,11 @@ class Capacity:
 
     # -- the hooks -------------------------------------------------------------------------------------------
 
+    @property
+    def bounded(self) -> bool:
+        """A bound or a quota is set (``admit`` then needs the size a write replaces)."""
+        return self.max_bytes is not None or self.quota is not None
+
     async def admit(self, *, namespace: str, size: int, replacing: int, whole: int | None = None) -> None:
         """Reserve room for ``size`` bytes (evicting if need be); ``whole``: the object a part of it belongs to,
         refused at its first part if it can never fit."""

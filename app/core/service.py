@@ -60,6 +60,10 @@ class Counters:
 class Admission(Protocol):
     """Capacity (app/core/capacity.py): room for a write, or 507."""
 
+    @property
+    def bounded(self) -> bool:
+        """A capacity bound or a namespace quota is set: ``admit`` needs the size a write replaces."""
+
     async def admit(self, *, namespace: str, size: int, replacing: int, whole: int | None = None) -> None:
         """Reserve room for ``size`` bytes (replacing ``replacing``), evicting if need be, or raise 507."""
 
@@ -114,7 +118,11 @@ class BlockService:
     ) -> PutResult:
         path = key.path
         await self._check_layout(key, size)
-        existing = await self._versions.read(path)
+        # The row now is needed only to refuse a create-only PUT before its body is read, and for a bound's room;
+        # otherwise the commit reads it anyway (and writes nothing when it already holds these bytes), so a new
+        # key's PUT makes no index read of its own: only the cache is asked, for an identical re-PUT.
+        need_row = create_only or self._admission.bounded
+        existing = await self._versions.read(path) if need_row else self._versions.cached(path)
         if existing is not None and create_only:
             raise PreconditionFailed(f"{path!r} is present (If-None-Match: *)")
         if existing is not None and digest is not None and digest.lower() == existing.digest and size == existing.size:

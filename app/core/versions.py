@@ -127,6 +127,11 @@ class Versions:
             self._cache.fill(meta, read_at_epoch=epoch)
         return meta
 
+    def cached(self, key: str) -> Version | None:
+        """The version the key's row names as the metadata cache holds it (None: not cached); the index is not
+        asked."""
+        return self._cache.get(key)
+
     async def settle(self, key: str) -> None:
         """Wait for a change of ``key`` in flight (here or in another process) to finish."""
         self._cache.drop(key)

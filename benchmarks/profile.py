@@ -102,12 +102,13 @@ def drive(url: str, *, op: str, size: int, concurrency: int, stop: threading.Eve
             if op != "put":
                 await runner.phase(runner.jobs_for("put", cfg.count), cfg.count, {"put": OpStats("put")}, lambda _: 0)
             rnd = 0
+            n = 500 if size < 1024 * 1024 else 50
             while not stop.is_set():
                 stats = {op: OpStats(op)}
                 if op == "put":
-                    runner.cfg = BenchConfig(url=url, concurrency=concurrency, block_size=size, count=500, seed=rnd)
+                    runner.cfg = BenchConfig(url=url, concurrency=concurrency, block_size=size, count=n, seed=rnd)
                     rnd += 1
-                await runner.phase(runner.jobs_for(op, 500), 500, stats, lambda _: 0)
+                await runner.phase(runner.jobs_for(op, n), n, stats, lambda _: 0)
                 done.append(stats[op])
         finally:
             await client.aclose()

@@ -25,13 +25,14 @@ class Scans(GroupCommit):
         """``namespace -> (blocks, bytes)`` from the usage table: block rows plus stored parts of incomplete
         objects, exact as of the last commit of any process (triggers move it in every change's transaction)."""
 
-        async def q() -> dict[str, tuple[int, int]]:
-            stmt = select(Usage.namespace, func.sum(Usage.blocks), func.sum(Usage.bytes)).group_by(Usage.namespace)
-            async with self.engine.connect() as conn:
-                rows = await conn.execute(stmt)
-                return {r[0]: (int(r[1]), int(r[2])) for r in rows if r[1] or r[2]}
+        stmt = select(Usage.namespace, func.sum(Usage.blocks), func.sum(Usage.bytes)).group_by(Usage.namespace)
 
-        return await guard(q(), "read")
+        def q(conn: Connection) -> dict[str, tuple[int, int]]:
+            return {r[0]: (int(r[1]), int(r[2])) for r in conn.execute(stmt) if r[1] or r[2]}
+
+        # one hop to a reader thread (SQLite): the capacity loop reads it every few seconds, and through the async
+        # engine each statement was several round trips through the event loop
+        return await self._read(q)
 
     async def uploads(self, *, namespace: str | None = None) -> list[Upload]:
         """Every incomplete multi-part object, with its newest part's time (its last activity)."""

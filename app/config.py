@@ -134,12 +134,6 @@ class Settings(BaseSettings):
     sqlite_synchronous: Literal["OFF", "NORMAL", "FULL"] = Field(
         default="FULL", description="SQLite durability (FULL: a row survives power loss once the PUT returned)"
     )
-    verify_range_max_bytes: int = Field(
-        default=64 * MiB,
-        ge=0,
-        description="a Range GET of an object up to this size reads and checks the whole object first, and sends "
-        "the range's sha256 (X-KVGate-Range-SHA256); 0: never",
-    )
     max_lookup_keys: int = Field(default=4096, gt=0, description="most keys in one POST /v1/lookup")
     access_flush_interval_s: float = Field(default=1.0, gt=0, description="seconds between access-time writes")
 

@@ -1,6 +1,7 @@
 """kvgate's wire format, owned here once for the gateway and the connector alike: the ``Range`` and
-``Content-Range`` values, ETag quoting, the sha256 digest headers, the writer's block meta, event ids, bearer
-tokens and the JSON bodies the gateway reads.
+``Content-Range`` values, ETag quoting, the checksum headers (``X-KVGate-Checksum: crc64nvme=<base64>``, and the
+sha256 ones of earlier clients), the writer's block meta, event ids, bearer tokens and the JSON bodies the gateway
+reads. The grammar of checksums lives here; computing them does not (the standard library has no CRC64NVME).
 
 Pure functions over strings, no HTTP library, standard library only: ``app`` and ``connector`` both import it.
 Byte ranges are half-open ``[start, end)`` in Python and inclusive on the wire.
@@ -13,6 +14,8 @@ each to its 4xx in one table, so no input reaches a 5xx through a parser.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import email.utils
 import json
 import re
@@ -22,25 +25,37 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "ALGORITHMS",
     "BLOCK_META_HEADER",
+    "CHECKSUM_HEADER",
+    "CRC64NVME",
+    "DEFAULT_ALGORITHM",
     "DIGEST_HEADER",
+    "PART_CHECKSUM_HEADER",
     "PART_DIGEST_HEADER",
+    "RANGE_CHECKSUM_HEADER",
     "RANGE_DIGEST_HEADER",
+    "SHA256",
     "BlockMetaValue",
     "ByteSpan",
+    "Checksum",
     "MalformedBody",
     "MalformedHeader",
     "RangeNotSatisfiable",
     "WireError",
+    "etag_checksum",
     "format_block_meta",
     "format_content_range",
     "format_range",
     "parse_bearer",
     "parse_block_meta",
+    "parse_checksum",
+    "parse_checksum_token",
     "parse_content_range",
     "parse_digest",
     "parse_json",
     "parse_range",
+    "parse_request_checksum",
     "parse_uint",
     "quote_etag",
     "retry_after_s",
@@ -48,12 +63,29 @@ __all__ = [
     "unsatisfied_content_range",
 ]
 
+CHECKSUM_HEADER = "X-KVGate-Checksum"
+"""``<algorithm>=<base64>`` of the whole object: on a PUT, verified before anything is published; on a GET or HEAD,
+the stored version's checksum (the algorithm its writer chose)."""
+PART_CHECKSUM_HEADER = "X-KVGate-Part-Checksum"
+"""``<algorithm>=<base64>`` of one part's bytes (a PUT with ``Content-Range``)."""
+RANGE_CHECKSUM_HEADER = "X-KVGate-Range-Checksum"
+"""On a 206: ``crc64nvme=<base64>`` of exactly the range's bytes, vouched for by the gateway from the checksums of
+the object's chunks recorded when it was written (every size, every range)."""
 DIGEST_HEADER = "X-KVGate-SHA256"
-"""Hex sha256 of the whole object; sent with a PUT to have it verified before anything is published."""
+"""Hex sha256 of the whole object (earlier clients): on a PUT, as ``X-KVGate-Checksum: sha256=...``; answered on a
+GET or HEAD of a version stored with a sha256."""
 PART_DIGEST_HEADER = "X-KVGate-Part-SHA256"
-"""Hex sha256 of one part's bytes (a PUT with ``Content-Range``)."""
+"""Hex sha256 of one part's bytes (earlier clients; a PUT with ``Content-Range``)."""
 RANGE_DIGEST_HEADER = "X-KVGate-Range-SHA256"
-"""On a 206: hex sha256 of the range's bytes, sent after the gateway checked the whole object against its digest."""
+"""On a 206 of a version stored with a sha256: hex sha256 of the range's bytes (for earlier clients)."""
+
+CRC64NVME = "crc64nvme"
+"""CRC-64/NVME (S3's full-object ``x-amz-checksum-crc64nvme``): kvgate's default, at memory speed."""
+SHA256 = "sha256"
+"""A cryptographic digest, for those who want one (per request: ``X-KVGate-Checksum: sha256=...``)."""
+ALGORITHMS = {CRC64NVME: 8, SHA256: 32}
+"""Each algorithm kvgate speaks, and its value's size in bytes."""
+DEFAULT_ALGORITHM = CRC64NVME
 BLOCK_META_HEADER = "X-KVGate-Block-Meta"
 """``parent=<hex>; tokens=1,2,3`` on a PUT: the block's token ids and its parent's hash, for the KV events."""
 MAX_BLOCK_META_BYTES = 8192
@@ -66,6 +98,9 @@ _RANGE = re.compile(r"bytes=([0-9]{0,18})-([0-9]{0,18})", re.ASCII | re.IGNORECA
 """One ``bytes=a-b`` range, ASCII digits only (``str.isdigit`` also accepts '²' and other digits ``int`` rejects)."""
 _CONTENT_RANGE = re.compile(r"bytes ([0-9]{1,15})-([0-9]{1,15})/([0-9]{1,15})", re.ASCII)
 _HEX64 = re.compile(r"[0-9a-fA-F]{64}", re.ASCII)
+_CHECKSUM = re.compile(r"([a-z0-9]{1,16})=([A-Za-z0-9+/]{4,64}={0,2})", re.ASCII)
+"""``<algorithm>=<base64>``, as S3 names its checksum headers (``x-amz-checksum-<algorithm>: <base64>``)."""
+_TOKEN = re.compile(r"(?:([a-z0-9]{1,16}):)?([0-9a-f]{16,128})", re.ASCII)
 _UINT = re.compile(r"[0-9]{1,18}", re.ASCII)
 _TOKEN_IDS = re.compile(rf"[0-9]{{1,{MAX_TOKEN_ID_DIGITS}}}(?:,[0-9]{{1,{MAX_TOKEN_ID_DIGITS}}})*", re.ASCII)
 _PARENT = re.compile(r"(?:[0-9a-fA-F]{2}){8,32}", re.ASCII)
@@ -177,7 +212,7 @@ def parse_content_range(value: str) -> ByteSpan:
 
 
 def quote_etag(digest: str) -> str:
-    """The strong ETag of an object whose sha256 is ``digest``."""
+    """The strong ETag of an object whose checksum token (``Checksum.token``) is ``digest``."""
     return f'"{digest}"'
 
 
@@ -198,6 +233,109 @@ def parse_digest(value: str | None, *, header: str = DIGEST_HEADER) -> str | Non
     if not _HEX64.fullmatch(value):
         raise MalformedHeader(f"{header} must be 64 hex characters (sha256)")
     return value.lower()
+
+
+# -- checksums: X-KVGate-Checksum, its part and range siblings, the ETag ------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Checksum:
+    """An object's (or a part's, or a range's) checksum: the algorithm and its value as lower-case hex.
+
+    Three spellings: the header's ``crc64nvme=<base64>`` (``header``); the ``token`` the index keeps and the ETag
+    quotes, ``crc64nvme:<hex>``, where a sha256 is its bare 64 hex digits as kvgate always wrote it (so a row or an
+    ETag from before other algorithms reads as what it is, and no other token can be mistaken for a sha256); and the
+    raw bytes (``raw``)."""
+
+    algorithm: str
+    hex: str
+
+    def __post_init__(self) -> None:
+        size = ALGORITHMS.get(self.algorithm)
+        if size is None or len(self.hex) != 2 * size or _TOKEN.fullmatch(self.hex) is None:
+            raise ValueError(f"not a {self.algorithm} value: {self.hex[:80]!r}")
+
+    @classmethod
+    def of(cls, algorithm: str, raw: bytes | int) -> Checksum:
+        """From the algorithm's raw value (bytes, or a CRC as an int)."""
+        size = ALGORITHMS[algorithm]
+        if isinstance(raw, int):
+            raw = raw.to_bytes(size, "big")
+        return cls(algorithm, raw.hex())
+
+    @property
+    def raw(self) -> bytes:
+        return bytes.fromhex(self.hex)
+
+    @property
+    def crc(self) -> int:
+        """The value as an unsigned integer (a CRC's own form)."""
+        return int(self.hex, 16)
+
+    @property
+    def header(self) -> str:
+        """``<algorithm>=<base64>``: the value of X-KVGate-Checksum and its siblings."""
+        return f"{self.algorithm}={base64.b64encode(self.raw).decode('ascii')}"
+
+    @property
+    def token(self) -> str:
+        """What the index keeps and the ETag quotes: bare hex for a sha256, ``<algorithm>:<hex>`` otherwise."""
+        return self.hex if self.algorithm == SHA256 else f"{self.algorithm}:{self.hex}"
+
+    @property
+    def etag(self) -> str:
+        return quote_etag(self.token)
+
+
+def parse_checksum(value: str, *, header: str = CHECKSUM_HEADER) -> Checksum:
+    """``<algorithm>=<base64>`` -> Checksum; MalformedHeader for another grammar, an unknown algorithm, or a value
+    of the wrong length for its algorithm."""
+    m = _CHECKSUM.fullmatch(value.strip())
+    if m is None:
+        raise MalformedHeader(f"{header} must be '<algorithm>=<base64>', e.g. '{CRC64NVME}=AAAAAAAAAAA='")
+    algorithm = m[1]
+    if algorithm not in ALGORITHMS:
+        raise MalformedHeader(f"{header}: unknown algorithm {algorithm!r} (known: {', '.join(ALGORITHMS)})")
+    try:
+        raw = base64.b64decode(m[2], validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise MalformedHeader(f"{header}: the value is not base64") from exc
+    if len(raw) != ALGORITHMS[algorithm]:
+        raise MalformedHeader(f"{header}: a {algorithm} value is {ALGORITHMS[algorithm]} bytes, got {len(raw)}")
+    return Checksum.of(algorithm, raw)
+
+
+def parse_checksum_token(token: str) -> Checksum:
+    """A ``Checksum.token`` (as the index keeps it and the ETag quotes it) -> Checksum; ValueError otherwise."""
+    m = _TOKEN.fullmatch(token)
+    if m is None:
+        raise ValueError(f"not a checksum token: {token[:80]!r}")
+    return Checksum(m[1] or SHA256, m[2])
+
+
+def etag_checksum(value: str | None) -> Checksum | None:
+    """The checksum a strong ETag of kvgate's names; None for none, a weak one, or one that names no checksum."""
+    token = unquote_etag(value)
+    if token is None:
+        return None
+    try:
+        return parse_checksum_token(token)
+    except ValueError:
+        return None
+
+
+def parse_request_checksum(
+    value: str | None, legacy: str | None, *, header: str = CHECKSUM_HEADER, legacy_header: str = DIGEST_HEADER
+) -> Checksum | None:
+    """A PUT's checksum, from ``X-KVGate-Checksum`` (or its part sibling) or an earlier client's hex sha256 header;
+    None when neither is sent. Both sent must agree (MalformedHeader otherwise)."""
+    new = None if value is None else parse_checksum(value, header=header)
+    old = parse_digest(legacy, header=legacy_header)
+    if old is None:
+        return new
+    if new is not None and new != Checksum(SHA256, old):
+        raise MalformedHeader(f"{header} and {legacy_header} disagree")
+    return Checksum(SHA256, old)
 
 
 # -- Retry-After (a 429's or 503's response header) --------------------------------------------------------------------

@@ -65,6 +65,37 @@ def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def crc(data: bytes) -> str:
+    """The checksum token kvgate records for ``data`` when its writer names no algorithm (CRC64NVME): what the
+    ETag quotes, the PUT answer's ``digest``."""
+    from app.storage.checksums import checksum_of
+
+    return checksum_of(data).token
+
+
+def token_as(tag: str, data: bytes) -> str:
+    """``data``'s checksum token in the algorithm of ``tag`` (a checksum token, or an ETag that quotes one)."""
+    from app.storage.checksums import checksum_of
+    from contract.wire import parse_checksum_token
+
+    return checksum_of(data, parse_checksum_token(tag.strip('"')).algorithm).token
+
+
+def matches(tag: str, data: bytes) -> bool:
+    """``data`` is what checksum token (or ETag) ``tag`` names, checked in the tag's own algorithm."""
+    try:
+        return token_as(tag, data) == tag.strip('"')
+    except ValueError:
+        return False
+
+
+def crc_header(data: bytes) -> str:
+    """``crc64nvme=<base64>`` of ``data``: the value of X-KVGate-Checksum (and of X-KVGate-Range-Checksum)."""
+    from app.storage.checksums import checksum_of
+
+    return checksum_of(data).header
+
+
 def random_bytes(n: int, seed: int) -> bytes:
     import random
 

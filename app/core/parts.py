@@ -41,7 +41,9 @@ from app.errors import BlockNotFound, Conflict, DigestMismatch, SizeMismatch
 from app.index import Index, PartRecord
 from app.storage import BlockStore
 from app.storage.base import BodyChecker, Region
+from app.storage.checksums import algorithm_of
 from contract.keys import BlockKey, InvalidKey, parse_block_key
+from contract.wire import DEFAULT_ALGORITHM, SHA256
 from contract.wire import ByteSpan as ByteSpan  # its home before contract.wire
 
 log = logging.getLogger("kvgate.parts")
@@ -81,7 +83,7 @@ class PartOutcome:
     created: bool
     """False when an identical part (or the whole object) was already there."""
     digest: str | None
-    """The object's sha256 once complete."""
+    """The object's checksum token once complete."""
 
 
 def _check_against(parts: list[PartRecord], span: ByteSpan, digest: str | None) -> PartRecord | None:
@@ -236,12 +238,12 @@ class PartAssembler:
             if upload is not None:  # the parts become the object: no copy
                 regions = [Region(p.start, p.end, p.digest) for p in parts]
                 try:
-                    staged = await self._store.stage_upload(upload, path, regions, total)
+                    staged = await self._store.stage_upload(upload, path, regions, total, algorithm=_algorithm(parts))
                 except (DigestMismatch, SizeMismatch) as exc:
                     log.error("upload is corrupt key=%s: %s", path, exc)
                     raise Conflict(f"stored parts are corrupt ({exc}); re-send them") from exc
             else:
-                staged = await self._store.stage(path, self._concat(parts), size=total)
+                staged = await self._store.stage(path, self._concat(parts), size=total, algorithm=_algorithm(parts))
         except Conflict:  # a stored part is corrupt: drop them all, the writers send them again next time
             await self.drop(path, parts)
             raise
@@ -282,3 +284,9 @@ class PartAssembler:
         stored = {part.store_key for part in parts}  # in place: one upload file holds them all
         await asyncio.gather(*(self._store.delete(store_key) for store_key in stored), return_exceptions=True)
         return removed
+
+
+def _algorithm(parts: list[PartRecord]) -> str:
+    """The checksum algorithm of an object assembled from ``parts``: sha256 if its writers sent every part with one
+    (they asked for a cryptographic digest), kvgate's default otherwise."""
+    return SHA256 if all(algorithm_of(p.digest) == SHA256 for p in parts) else DEFAULT_ALGORITHM

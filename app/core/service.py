@@ -125,7 +125,7 @@ class BlockService:
         existing = await self._versions.read(path) if need_row else self._versions.cached(path)
         if existing is not None and create_only:
             raise PreconditionFailed(f"{path!r} is present (If-None-Match: *)")
-        if existing is not None and digest is not None and digest.lower() == existing.digest and size == existing.size:
+        if existing is not None and digest is not None and digest == existing.digest and size == existing.size:
             checker = BodyChecker(size=size, expected_digest=digest)  # identical re-put: verify, write nothing
             async for chunk in body:
                 checker.update(chunk)

@@ -13,6 +13,7 @@ in the README (Design, "Crashes").
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import logging
 import time
@@ -20,11 +21,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from app.core.parts import PartAssembler
-from app.core.versions import Change, Versions
+from app.core.versions import Change, Versions, meta_of
 from app.errors import BlockNotFound, KVGateError, NamespaceNotFound
 from app.index import ABSENT, BlockRecord, Index, NamespaceUsage, Upload
 from app.storage import BlockStore
 from app.storage.base import Leftover, Version
+from app.storage.checksums import algorithm_of
 from contract.keys import BlockKey, InvalidKey, config_path, parse_block_key, parse_namespace
 
 log = logging.getLogger("kvgate.upkeep")
@@ -172,15 +174,16 @@ class Upkeep:
             await change.remove(expect=row.stamp, data=False)
             log.warning("repair: version object gone key=%s stamp=%s, row dropped", key.path, row.stamp)
             return Settled.DROPPED
+        algorithm = algorithm_of(row.digest)  # compared in the row's own algorithm (a sha256 row stays one)
         try:
-            found = await store.digest(key.path)
+            found = await store.digest(key.path, algorithm=algorithm)
         except BlockNotFound:
             await change.remove(expect=row.stamp, data=False)
             log.warning("repair: no data for key=%s, row dropped", key.path)
             return Settled.DROPPED
         if (found.size, found.digest) == (row.size, row.digest):
             # the row's bytes under another stamp (copied back, touched): keep them, with a stamp of ours
-            claimed = found if store.issued(found.stamp) else await store.claim(key.path)
+            claimed = found if store.issued(found.stamp) else await store.claim(key.path, algorithm=algorithm)
             await change.record(key, claimed, expect=row.stamp, created_at=row.created_at)
             return Settled.RESTAMPED
         if store.issued(found.stamp):
@@ -189,7 +192,7 @@ class Upkeep:
             await change.record(key, found, expect=row.stamp)
             log.warning("recovery: the row's version is gone, kept the version on disk key=%s", key.path)
             return Settled.RECORDED
-        log.error("corrupt block key=%s: stored sha256 %s, row %s; removed", key.path, found.digest, row.digest)
+        log.error("corrupt block key=%s: stored %s, row %s; removed", key.path, found.digest, row.digest)
         if await change.remove(expect=row.stamp, data=False) is not None:
             await store.remove(key.path, stamp=found.stamp)  # the bytes found, and only them
         return Settled.CORRUPT
@@ -200,7 +203,7 @@ class Upkeep:
         async with self._versions.change(key.path) as change:
             row = await change.row()
             if row is not None:
-                return Version(key=row.key, size=row.size, digest=row.digest, stamp=row.stamp)
+                return meta_of(row)
             return await self._adopt_locked(change, key)
 
     async def _adopt_locked(self, change: Change, key: BlockKey) -> Version | None:
@@ -221,7 +224,7 @@ class Upkeep:
             new = await self._store.restamp(key.path, stamp=stamp)
             if new is None:
                 return False
-            meta = Version(key=key.path, size=row.size, digest=row.digest, stamp=new)
+            meta = dataclasses.replace(meta_of(row), stamp=new)
             return (await change.record(key, meta, expect=stamp, created_at=row.created_at)).written
 
     async def settle_leftover(self, leftover: Leftover) -> str:

@@ -37,6 +37,7 @@ from app.errors import BackendUnavailable, KVGateError
 from app.index import ANY, BlockRecord, Expect, Index
 from app.storage import BlockStore
 from app.storage.base import Staged, Version
+from app.storage.checksums import Chunks
 from contract.keys import BlockKey
 
 log = logging.getLogger("kvgate.versions")
@@ -51,7 +52,9 @@ that opened it just before has started reading it (an S3 GET in progress reads t
 
 
 def row_for(key: BlockKey, version: Version, *, stamp: str | None, created_at: float) -> BlockRecord:
-    """The index row of ``version`` of ``key``: new, unread (its last access is its creation)."""
+    """The index row of ``version`` of ``key``: new, unread (its last access is its creation), with the version's
+    chunk CRCs where it has them (a Range GET of it is vouched for from them: app/core/reads.py)."""
+    chunks = version.chunks if version.chunks is not None and version.chunks.fits(version.size) else None
     return BlockRecord(
         key=key.path,
         namespace=key.namespace,
@@ -63,11 +66,17 @@ def row_for(key: BlockKey, version: Version, *, stamp: str | None, created_at: f
         last_access=created_at,
         hits=0,
         stamp=stamp,
+        chunk_bytes=None if chunks is None else chunks.size,
+        chunk_sums=None if chunks is None else chunks.sums,
     )
 
 
 def meta_of(record: BlockRecord) -> Version:
-    return Version(key=record.key, size=record.size, digest=record.digest, stamp=record.stamp)
+    chunks = None
+    if record.chunk_bytes is not None and record.chunk_sums is not None:
+        with contextlib.suppress(ValueError):  # chunk CRCs that make no sense: the range is checked whole instead
+            chunks = Chunks(record.chunk_bytes, record.chunk_sums)
+    return Version(key=record.key, size=record.size, digest=record.digest, stamp=record.stamp, chunks=chunks)
 
 
 @dataclass(frozen=True, slots=True)

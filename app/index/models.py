@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Float, Index, Integer, MetaData, String, Text
+from sqlalchemy import BigInteger, Float, Index, Integer, LargeBinary, MetaData, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 NAMING = {
@@ -25,11 +25,17 @@ class Block(Base):
     grp: Mapped[int] = mapped_column(BigInteger)
     size: Mapped[int] = mapped_column(BigInteger)
     digest: Mapped[str] = mapped_column(String(64))
+    """The version's checksum token (contract.wire.Checksum.token): ``crc64nvme:<hex>``, or a sha256's bare hex
+    (every row older than 0005 is one), so each row says its own algorithm."""
     created_at: Mapped[float] = mapped_column(Float)
     last_access: Mapped[float] = mapped_column(Float)
     hits: Mapped[int] = mapped_column(BigInteger, default=0)
     stamp: Mapped[str | None] = mapped_column(String(80), nullable=True)
     """The stored version this row describes (app.storage.base.Staged.stamp); NULL for rows older than 0003."""
+    chunk_bytes: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    """The chunk size of ``chunk_sums``; NULL for rows older than 0005 (their ranges are checked whole)."""
+    chunk_sums: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    """The CRC64NVME of each chunk of the version, 8 bytes each, big-endian (at most 128 of them)."""
 
     __table_args__ = (Index("ix_blocks_last_access", "last_access"),)
 
@@ -53,6 +59,7 @@ class Part(Base):
     """Exclusive end of the range."""
     total: Mapped[int] = mapped_column(BigInteger)
     digest: Mapped[str] = mapped_column(String(64))
+    """The part's checksum token, as ``Block.digest``."""
     store_key: Mapped[str] = mapped_column(String(640))
     created_at: Mapped[float] = mapped_column(Float)
     namespace: Mapped[str | None] = mapped_column(String(256), nullable=True)

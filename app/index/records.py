@@ -34,6 +34,10 @@ class BlockRecord:
     hits: int
     stamp: str | None = None
     """The stored version the row describes (None: a row written before versions were recorded)."""
+    chunk_bytes: int | None = None
+    """The chunk size of ``chunk_sums`` (None: a row written before chunk checksums were recorded)."""
+    chunk_sums: bytes | None = None
+    """The CRC64NVME of each chunk of the version, 8 bytes each (app/storage/checksums.py's ``Chunks``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +107,8 @@ def block_record(row: Any) -> BlockRecord:
         last_access=row.last_access,
         hits=row.hits,
         stamp=row.stamp,
+        chunk_bytes=row.chunk_bytes,
+        chunk_sums=row.chunk_sums,
     )
 
 
@@ -119,4 +125,6 @@ def row_values(record: BlockRecord) -> dict[str, Any]:
         "created_at": record.created_at,
         "last_access": record.last_access,
         "hits": record.hits,
+        "chunk_bytes": record.chunk_bytes,
+        "chunk_sums": record.chunk_sums,
     }

@@ -97,6 +97,8 @@ class Index(Scans):
                 "size": ins.excluded.size,
                 "digest": ins.excluded.digest,
                 "stamp": ins.excluded.stamp,
+                "chunk_bytes": ins.excluded.chunk_bytes,
+                "chunk_sums": ins.excluded.chunk_sums,
                 "created_at": ins.excluded.created_at,
                 "last_access": ins.excluded.last_access,
                 "hits": ins.excluded.hits,
@@ -185,7 +187,8 @@ class Index(Scans):
     def _get_many_bound(self) -> Any:
         """The columns in BlockRecord's order, so a record is built from the plain tuple."""
         cols = [Block.key, Block.namespace, Block.rank, Block.grp, Block.size, Block.digest]
-        return self._many_bound([*cols, Block.created_at, Block.last_access, Block.hits, Block.stamp])
+        more = [Block.created_at, Block.last_access, Block.hits, Block.stamp, Block.chunk_bytes, Block.chunk_sums]
+        return self._many_bound([*cols, *more])
 
     @functools.cached_property
     def _sizes_many_bound(self) -> Any:

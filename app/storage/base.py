@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, Self
 
 from app.errors import BlockNotFound, DigestMismatch, SizeMismatch, VersionMismatch
+from app.storage.checksums import Chunks, chunk_bytes_for, combine, crc64nvme
+from contract.wire import ALGORITHMS, CRC64NVME, DEFAULT_ALGORITHM, SHA256, Checksum, parse_checksum_token
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,10 +21,15 @@ class Version:
 
     size: int
     digest: str
-    """Hex sha256 of the whole object."""
+    """The whole object's checksum token (``contract.wire.Checksum.token``: ``crc64nvme:<hex>``, or the bare hex of
+    a sha256, as every version before CRC64NVME)."""
     stamp: str | None = None
     """The version these bytes are (``Staged.stamp``): a reader opens exactly this one."""
     key: str = ""
+    chunks: Chunks | None = None
+    """The CRC64NVME of each chunk of the bytes (app/storage/checksums.py), where they were read to get here (None:
+    not known, e.g. a row from before chunk checksums, or a checksum taken from an object's metadata); a Range GET
+    is vouched for from them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +120,8 @@ class BlockStore(Protocol):
     ) -> Version:
         """Store exactly ``size`` bytes under ``key``, atomically: readers see the old object or the new one.
 
-        The sha256 is computed while streaming; on a short/long body (SizeMismatch), a digest that is not
+        The checksum is computed while streaming (``BodyChecker``: ``expected_digest`` is a ``Checksum.token``, its
+        algorithm the one computed); on a short/long body (SizeMismatch), a checksum that is not
         ``expected_digest`` (DigestMismatch), a failing body iterator or a cancelled request nothing is published
         and no temporary data is left behind.
         """
@@ -122,10 +130,17 @@ class BlockStore(Protocol):
         """Open ``key`` for reading; BlockNotFound on a miss, VersionMismatch if it is not the version ``stamp``."""
 
     async def stage(
-        self, key: str, body: AsyncIterable[bytes], *, size: int, expected_digest: str | None = None
+        self,
+        key: str,
+        body: AsyncIterable[bytes],
+        *,
+        size: int,
+        expected_digest: str | None = None,
+        algorithm: str | None = None,
     ) -> Staged:
-        """Write and check a new version of block ``key`` without making it visible (``put``'s checks apply); it
-        is durable once this returns, and its stamp never names another version, on any store."""
+        """Write and check a new version of block ``key`` without making it visible (``put``'s checks apply; with
+        no ``expected_digest`` its checksum is computed in ``algorithm``, by default kvgate's); it is durable once
+        this returns, and its stamp never names another version, on any store. Its meta carries the chunk CRCs."""
 
     async def publish(self, staged: Staged) -> None:
         """Make a staged version the one under its key (filesystem: the rename; S3: nothing, the row names it)."""
@@ -146,8 +161,9 @@ class BlockStore(Protocol):
     def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
         """Every stored object whose key starts with ``prefix`` (published objects only, never staged data)."""
 
-    async def digest(self, key: str) -> Version:
-        """Read the object under ``key`` back and compute its metadata, with its stamp (used by reconcile)."""
+    async def digest(self, key: str, *, algorithm: str = DEFAULT_ALGORITHM) -> Version:
+        """Read the object under ``key`` back and compute its metadata (its checksum in ``algorithm``, and its chunk
+        CRCs), with its stamp (used by reconcile)."""
 
     # -- abilities with do-nothing defaults -------------------------------------------------------------------
 
@@ -177,11 +193,11 @@ class BlockStore(Protocol):
         never change)."""
         return None
 
-    async def claim(self, key: str) -> Version:
+    async def claim(self, key: str, *, algorithm: str = DEFAULT_ALGORITHM) -> Version:
         """The data under ``key`` (written by another program, or from before version stamps), read back, hashed
-        and given a version stamp of this store's own where it keeps them; BlockNotFound if there is none.
-        Default: its digest, with whatever stamp it has."""
-        return await self.digest(key)
+        (in ``algorithm``) and given a version stamp of this store's own where it keeps them; BlockNotFound if there
+        is none. Default: its digest, with whatever stamp it has."""
+        return await self.digest(key, algorithm=algorithm)
 
     async def leftovers(self) -> Sequence[Leftover]:
         """Staged versions that their writer left behind (it is gone: crashed, killed, or the machine stopped)
@@ -201,10 +217,13 @@ class BlockStore(Protocol):
         upload ``key`` (created if missing), durably if the store fsyncs; ``source`` stays staged (discard it)."""
         raise TypeError(f"{type(self).__name__} writes no parts in place (uploads is False)")
 
-    async def stage_upload(self, key: str, target: str, regions: Sequence[Region], total: int) -> Staged:
+    async def stage_upload(
+        self, key: str, target: str, regions: Sequence[Region], total: int, *, algorithm: str | None = None
+    ) -> Staged:
         """(``uploads`` stores) Stage upload ``key`` as a version of block ``target`` without copying it: the
         upload must be ``total`` bytes and each region must hash to its digest (else DigestMismatch), and the whole
-        is hashed for the version's digest. The upload itself stays until deleted."""
+        is hashed for the version's checksum (in ``algorithm``) and chunk CRCs. The upload itself stays until
+        deleted."""
         raise TypeError(f"{type(self).__name__} writes no parts in place (uploads is False)")
 
 
@@ -220,7 +239,8 @@ class Leftover:
 
 @dataclass(frozen=True, slots=True)
 class Region:
-    """``[start, end)`` of an upload file, whose bytes must hash to ``digest`` (one part of a multi-part object)."""
+    """``[start, end)`` of an upload file, whose bytes must hash to ``digest`` (a ``Checksum.token``: one part of
+    a multi-part object)."""
 
     start: int
     end: int
@@ -228,29 +248,81 @@ class Region:
 
 
 class BodyChecker:
-    """Counts and hashes a body as it streams, raising before the store publishes anything that is wrong."""
+    """Counts and checksums a body as it streams, raising before the store publishes anything that is wrong: the one
+    place a body is hashed. It checks the checksum the writer sent (``expected_digest``, a ``Checksum.token``: its
+    algorithm is the one computed) or, when none, computes one in ``algorithm``; and it takes the CRC64NVME of each
+    chunk (``Chunks``), from which a CRC64NVME of the whole is combined (no second pass over the bytes)."""
 
-    __slots__ = ("_hasher", "_received", "expected_digest", "size")
+    __slots__ = (
+        "_chunk",
+        "_chunk_crc",
+        "_filled",
+        "_received",
+        "_sha",
+        "_sums",
+        "_whole",
+        "algorithm",
+        "expected",
+        "size",
+    )
 
-    def __init__(self, *, size: int, expected_digest: str | None) -> None:
+    def __init__(self, *, size: int, expected_digest: str | None, algorithm: str | None = None) -> None:
         self.size = size
-        self.expected_digest = expected_digest.lower() if expected_digest else None
-        self._hasher = hashlib.sha256()
+        self.expected = None if expected_digest is None else parse_checksum_token(expected_digest.lower())
+        self.algorithm = self.expected.algorithm if self.expected is not None else algorithm or DEFAULT_ALGORITHM
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown checksum algorithm {self.algorithm!r}")
+        self._sha = hashlib.sha256() if self.algorithm == SHA256 else None
+        self._chunk = chunk_bytes_for(size)
+        self._chunk_crc = 0
+        self._filled = 0
+        self._whole = 0
+        self._sums = bytearray()
         self._received = 0
 
+    @property
+    def expected_digest(self) -> str | None:
+        return None if self.expected is None else self.expected.token
+
     def update(self, chunk: bytes | bytearray | memoryview) -> None:
-        self._received += len(chunk)
+        n = len(chunk)
+        self._received += n
         if self._received > self.size:
             raise SizeMismatch(f"body is longer than Content-Length {self.size}")
-        self._hasher.update(chunk)
+        if self._sha is not None:
+            self._sha.update(chunk)
+        if self._filled + n < self._chunk:  # the common case: the piece stays inside the current chunk
+            self._chunk_crc = crc64nvme(chunk, self._chunk_crc)
+            self._filled += n
+            return
+        view = memoryview(chunk).cast("B")
+        at = 0
+        while at < n:
+            take = min(n - at, self._chunk - self._filled)
+            self._chunk_crc = crc64nvme(view[at : at + take], self._chunk_crc)
+            self._filled += take
+            at += take
+            if self._filled == self._chunk:
+                self._close_chunk()
+
+    def _close_chunk(self) -> None:
+        self._sums += self._chunk_crc.to_bytes(8, "big")
+        self._whole = combine(self._whole, self._chunk_crc, self._filled)
+        self._chunk_crc = 0
+        self._filled = 0
 
     def finish(self) -> Version:
         if self._received != self.size:
             raise SizeMismatch(f"body ended after {self._received} of {self.size} bytes")
-        digest = self._hasher.hexdigest()
-        if self.expected_digest is not None and digest != self.expected_digest:
-            raise DigestMismatch(f"body sha256 is {digest}, the request said {self.expected_digest}")
-        return Version(size=self.size, digest=digest)
+        if self._filled or not self._sums:  # the last, shorter chunk (or the one chunk of an empty body)
+            self._close_chunk()
+        if self._sha is not None:
+            found = Checksum(SHA256, self._sha.hexdigest())
+        else:
+            found = Checksum.of(CRC64NVME, self._whole)
+        if self.expected is not None and found != self.expected:
+            raise DigestMismatch(f"body {found.algorithm} is {found.hex}, the request said {self.expected.hex}")
+        return Version(size=self.size, digest=found.token, chunks=Chunks(self._chunk, bytes(self._sums)))
 
 
 async def coalesce(body: AsyncIterable[bytes], *, chunk_bytes: int) -> AsyncIterator[bytes]:

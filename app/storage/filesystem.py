@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import os
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -55,6 +54,7 @@ from app.storage.fs_files import (
     walk_files,
     write_all,
 )
+from contract.wire import DEFAULT_ALGORITHM
 
 __all__ = ["TEMP_PREFIX", "FilesystemStore", "FsReader"]
 
@@ -153,12 +153,18 @@ class FilesystemStore(BlockStore):
         return staged.meta
 
     async def stage(
-        self, key: str, body: AsyncIterable[bytes], *, size: int, expected_digest: str | None = None
+        self,
+        key: str,
+        body: AsyncIterable[bytes],
+        *,
+        size: int,
+        expected_digest: str | None = None,
+        algorithm: str | None = None,
     ) -> Staged:
         """Stream ``body`` into a staged file beside the key's file, check it, stamp it, fsync it; not renamed."""
         vid = new_id()
         tmp = temp_file(vid, self.file_of(key))
-        checker = BodyChecker(size=size, expected_digest=expected_digest)
+        checker = BodyChecker(size=size, expected_digest=expected_digest, algorithm=algorithm)
         fd = -1
 
         def step(pieces: list[bytes], last: bool) -> Staged | None:
@@ -217,7 +223,9 @@ class FilesystemStore(BlockStore):
 
         await io(run, what="write")
 
-    async def stage_upload(self, key: str, target: str, regions: Sequence[Region], total: int) -> Staged:
+    async def stage_upload(
+        self, key: str, target: str, regions: Sequence[Region], total: int, *, algorithm: str | None = None
+    ) -> Staged:
         """Stage upload file ``key`` as a version of ``target`` by a hard link beside ``target``'s file (no copy):
         one read pass checks each region's digest and hashes the whole. The link is what ``publish`` renames and
         ``discard`` drops; the upload's own name stays until ``delete``, so a failed commit loses no part."""
@@ -230,9 +238,9 @@ class FilesystemStore(BlockStore):
             try:
                 if (held := os.fstat(fd).st_size) != total:
                     raise SizeMismatch(f"upload holds {held} bytes of {total}")
-                whole = hashlib.sha256()
+                whole = BodyChecker(size=total, expected_digest=None, algorithm=algorithm)
                 for region in regions:
-                    part = hashlib.sha256()
+                    part = BodyChecker(size=region.end - region.start, expected_digest=region.digest)
                     pos = region.start
                     while pos < region.end:
                         data = os.pread(fd, min(self._chunk, region.end - pos), pos)
@@ -241,8 +249,13 @@ class FilesystemStore(BlockStore):
                         part.update(data)
                         whole.update(data)
                         pos += len(data)
-                    if part.hexdigest() != region.digest:
-                        raise DigestMismatch(f"bytes {region.start}-{region.end - 1} are not the part recorded")
+                    try:
+                        part.finish()
+                    except DigestMismatch as exc:
+                        raise DigestMismatch(
+                            f"bytes {region.start}-{region.end - 1} are not the part recorded"
+                        ) from exc
+                meta = whole.finish()
             finally:
                 os.close(fd)
             try:
@@ -260,9 +273,7 @@ class FilesystemStore(BlockStore):
                 os.close(fd)
                 tmp.unlink(missing_ok=True)
                 raise
-            return Staged(
-                key=target, meta=Version(size=total, digest=whole.hexdigest()), stamp=stamp, handle=_Temp(tmp, fd)
-            )
+            return Staged(key=target, meta=meta, stamp=stamp, handle=_Temp(tmp, fd))
 
         try:
             return await io(run, what="stage upload")
@@ -369,8 +380,8 @@ class FilesystemStore(BlockStore):
             return None
         return st.st_size
 
-    async def digest(self, key: str) -> Version:
-        return await self._hash(key, claim=False)
+    async def digest(self, key: str, *, algorithm: str = DEFAULT_ALGORITHM) -> Version:
+        return await self._hash(key, claim=False, algorithm=algorithm)
 
     def issued(self, stamp: str | None) -> bool:
         return stamp is not None and id_of(stamp) is not None
@@ -380,14 +391,14 @@ class FilesystemStore(BlockStore):
         of an earlier release), without reading it."""
         return await io(restamp_file, self.path_of(key), stamp, self._fsync, what="restamp")
 
-    async def claim(self, key: str) -> Version:
+    async def claim(self, key: str, *, algorithm: str = DEFAULT_ALGORITHM) -> Version:
         """Hash the file under ``key`` and, if it carries no stamp of this store's (vLLM wrote it, or an earlier
         kvgate), give it one: from then on its readers are checked against an id that never repeats."""
-        return await self._hash(key, claim=True)
+        return await self._hash(key, claim=True, algorithm=algorithm)
 
-    async def _hash(self, key: str, *, claim: bool) -> Version:
+    async def _hash(self, key: str, *, claim: bool, algorithm: str) -> Version:
         try:
-            return await io(hash_file, self.path_of(key), self._chunk, claim, self._fsync, what="read")
+            return await io(hash_file, self.path_of(key), self._chunk, claim, self._fsync, algorithm, what="read")
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
             raise BlockNotFound(key) from exc
 

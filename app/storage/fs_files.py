@@ -16,6 +16,7 @@ can tell a live writer's file (locked) from one a crash left behind (unlocked), 
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import os
@@ -317,12 +318,13 @@ def drop_unlocked(path: Path) -> bool:
         os.close(fd)
 
 
-def hash_file(path: Path, chunk: int, claim: bool, fsync: bool) -> Version:
-    """The size, sha256 and stamp of the file at ``path``; ``claim``: a file without a stamp of ours gets one."""
+def hash_file(path: Path, chunk: int, claim: bool, fsync: bool, algorithm: str) -> Version:
+    """The size, checksum (in ``algorithm``, with the chunk CRCs) and stamp of the file at ``path``; ``claim``: a
+    file without a stamp of ours gets one."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
-        checker = BodyChecker(size=st.st_size, expected_digest=None)
+        checker = BodyChecker(size=st.st_size, expected_digest=None, algorithm=algorithm)
         pos = 0
         while pos < st.st_size:
             data = os.pread(fd, min(chunk, st.st_size - pos), pos)
@@ -339,7 +341,7 @@ def hash_file(path: Path, chunk: int, claim: bool, fsync: bool) -> Version:
                     os.fsync(fd)
             except PermissionError:
                 pass  # not ours to stamp (another owner): it keeps its inode:mtime stamp
-        return Version(size=meta.size, digest=meta.digest, stamp=stamp)
+        return dataclasses.replace(meta, stamp=stamp)
     finally:
         os.close(fd)
 

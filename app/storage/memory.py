@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import AsyncIterable, AsyncIterator
@@ -9,6 +10,7 @@ from typing import cast
 
 from app.errors import BlockNotFound, VersionMismatch
 from app.storage.base import BlockStore, BodyChecker, ClosingReader, ObjectInfo, Staged, Version
+from contract.wire import DEFAULT_ALGORITHM
 
 
 class MemoryReader(ClosingReader):
@@ -58,9 +60,15 @@ class MemoryStore(BlockStore):
         return meta
 
     async def stage(
-        self, key: str, body: AsyncIterable[bytes], *, size: int, expected_digest: str | None = None
+        self,
+        key: str,
+        body: AsyncIterable[bytes],
+        *,
+        size: int,
+        expected_digest: str | None = None,
+        algorithm: str | None = None,
     ) -> Staged:
-        checker = BodyChecker(size=size, expected_digest=expected_digest)
+        checker = BodyChecker(size=size, expected_digest=expected_digest, algorithm=algorithm)
         buf = bytearray()
         async for chunk in body:
             checker.update(chunk)
@@ -97,15 +105,14 @@ class MemoryStore(BlockStore):
     async def delete(self, key: str) -> bool:
         return self._objects.pop(key, None) is not None
 
-    async def digest(self, key: str) -> Version:
+    async def digest(self, key: str, *, algorithm: str = DEFAULT_ALGORITHM) -> Version:
         entry = self._objects.get(key)
         if entry is None:
             raise BlockNotFound(key)
         data, _, stamp = entry
-        checker = BodyChecker(size=len(data), expected_digest=None)
+        checker = BodyChecker(size=len(data), expected_digest=None, algorithm=algorithm)
         checker.update(data)
-        meta = checker.finish()
-        return Version(size=meta.size, digest=meta.digest, stamp=stamp)
+        return dataclasses.replace(checker.finish(), stamp=stamp)
 
     async def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
         for key in sorted(self._objects):

@@ -1,10 +1,16 @@
 """Blocks as objects in an S3-compatible bucket (MinIO, Ceph RGW, AWS S3), through aioboto3.
 
 Each block version is its own object, ``<key>.v<stamp>`` (see VERSION_SEP); configs and part data keep plain names.
-A PUT at or under ``multipart_threshold_bytes`` is buffered, verified (size, sha256) and sent as one PutObject; a
+A PUT at or under ``multipart_threshold_bytes`` is buffered, verified (size, checksum) and sent as one PutObject; a
 larger one streams as a multipart upload whose parts go up while the body arrives, is verified before
 CompleteMultipartUpload and aborted on any error, so nothing wrong is ever published: S3 makes an object visible
-atomically when PutObject or CompleteMultipartUpload succeeds. The sha256 travels in the object's metadata.
+atomically when PutObject or CompleteMultipartUpload succeeds. The checksum token travels in the object's metadata
+(``x-amz-meta-checksum``; a sha256 also as ``x-amz-meta-sha256``, as earlier releases wrote it).
+
+A CRC64NVME version goes up as S3's own full-object checksum, ``x-amz-checksum-crc64nvme``, so a store that checks
+it (AWS S3, SeaweedFS) refuses a body that changed on the way (BadDigest: a DigestMismatch here, nothing stored), and
+its PutObject is signed with ``UNSIGNED-PAYLOAD`` (app/storage/s3_signing.py): no sha256 of the body is computed for
+the signature. A store that ignores the header (moto) stores the bytes the gateway has checked itself.
 
 Every botocore/aiohttp failure becomes BackendUnavailable (503); only a missing key is a miss.
 """
@@ -24,10 +30,12 @@ from aiobotocore.config import AioConfig
 from botocore.exceptions import ClientError
 
 from app.config import S3Backend
-from app.errors import BackendUnavailable, BlockNotFound, InvalidRequest
+from app.errors import BackendUnavailable, BlockNotFound, DigestMismatch, InvalidRequest
 from app.storage.base import BlockStore, BodyChecker, ClosingReader, ObjectInfo, Staged, Version, coalesce
+from app.storage.checksums import algorithm_of
 from app.storage.s3_errors import FOREIGN, NO_BUCKET_CODES, code_of, is_missing, translate
-from app.storage.s3_signing import DIGEST_META, sign_with_known_digest
+from app.storage.s3_signing import CHECKSUM_META, DIGEST_META, sign_with_known_digest
+from contract.wire import CRC64NVME, DEFAULT_ALGORITHM, SHA256, parse_checksum_token
 
 log = logging.getLogger("kvgate.storage.s3")
 
@@ -183,15 +191,23 @@ class S3Store(BlockStore):
     async def put(
         self, key: str, body: AsyncIterable[bytes], *, size: int, expected_digest: str | None = None
     ) -> Version:
-        return await self._write(self.object_key(key), body, size=size, expected_digest=expected_digest)
+        checker = BodyChecker(size=size, expected_digest=expected_digest)
+        return await self._write(self.object_key(key), body, checker)
 
     async def stage(
-        self, key: str, body: AsyncIterable[bytes], *, size: int, expected_digest: str | None = None
+        self,
+        key: str,
+        body: AsyncIterable[bytes],
+        *,
+        size: int,
+        expected_digest: str | None = None,
+        algorithm: str | None = None,
     ) -> Staged:
         """Write the version under its own object name: visible to no reader until an index row names it."""
         stamp = uuid.uuid4().hex
         name = self.version_name(key, stamp)
-        meta = await self._write(name, body, size=size, expected_digest=expected_digest)
+        checker = BodyChecker(size=size, expected_digest=expected_digest, algorithm=algorithm)
+        meta = await self._write(name, body, checker)
         return Staged(key=key, meta=meta, stamp=stamp, handle=name)
 
     async def publish(self, staged: Staged) -> None:
@@ -211,8 +227,8 @@ class S3Store(BlockStore):
             if not is_missing(exc):
                 raise translate(exc, "delete") from exc
 
-    async def _write(self, name: str, body: AsyncIterable[bytes], *, size: int, expected_digest: str | None) -> Version:
-        checker = BodyChecker(size=size, expected_digest=expected_digest)
+    async def _write(self, name: str, body: AsyncIterable[bytes], checker: BodyChecker) -> Version:
+        size = checker.size
         if size > self._threshold:
             return await self._put_multipart(name, body, checker)
         pieces: list[bytes] = []  # joined once at the end: one copy of the body, where a growing buffer made two
@@ -222,11 +238,17 @@ class S3Store(BlockStore):
         meta = checker.finish()
         data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         del pieces
+        checksum = parse_checksum_token(meta.digest)
+        extra: dict[str, Any] = {}
+        if checksum.algorithm == CRC64NVME:  # S3's full-object checksum: a store that checks it refuses other bytes
+            extra["ChecksumCRC64NVME"] = checksum.header.partition("=")[2]
         try:
             await self.client.put_object(
-                Bucket=self.bucket, Key=name, Body=data, ContentLength=size, Metadata={DIGEST_META: meta.digest}
+                Bucket=self.bucket, Key=name, Body=data, ContentLength=size, Metadata=_metadata(meta.digest), **extra
             )
         except FOREIGN as exc:
+            if isinstance(exc, ClientError) and code_of(exc) == "BadDigest":
+                raise DigestMismatch(f"the store received other bytes than the {checksum.algorithm} says") from exc
             raise translate(exc, "put") from exc
         return meta
 
@@ -236,7 +258,7 @@ class S3Store(BlockStore):
         announced = checker.expected_digest
         try:
             created = await self.client.create_multipart_upload(
-                Bucket=self.bucket, Key=name, Metadata={DIGEST_META: announced} if announced else {}
+                Bucket=self.bucket, Key=name, Metadata=_metadata(announced) if announced else {}
             )
         except FOREIGN as exc:
             raise translate(exc, "create multipart upload") from exc
@@ -291,7 +313,7 @@ class S3Store(BlockStore):
                 Bucket=self.bucket,
                 Key=name,
                 CopySource={"Bucket": self.bucket, "Key": name},
-                Metadata={DIGEST_META: digest},
+                Metadata=_metadata(digest),
                 MetadataDirective="REPLACE",
             )
         except FOREIGN as exc:  # published and correct; digest() recomputes when the metadata is absent
@@ -372,15 +394,17 @@ class S3Store(BlockStore):
         head = await self._head(self.object_key(key))
         return None if head is None else int(head["ContentLength"])
 
-    async def digest(self, key: str) -> Version:
+    async def digest(self, key: str, *, algorithm: str = DEFAULT_ALGORITHM) -> Version:
+        """The object's metadata: its recorded checksum when it is in ``algorithm`` (no chunk CRCs then: a Range GET
+        of it checks the whole object), else the object read back and hashed."""
         head = await self._head(self.object_key(key))
         if head is None:
             raise BlockNotFound(key)
         size = int(head["ContentLength"])
-        recorded = str(head.get("Metadata", {}).get(DIGEST_META, "")).lower()
-        if len(recorded) == 64:
+        recorded = _recorded(head.get("Metadata", {}))
+        if recorded is not None and algorithm_of(recorded) == algorithm:
             return Version(size=size, digest=recorded)
-        checker = BodyChecker(size=size, expected_digest=None)
+        checker = BodyChecker(size=size, expected_digest=None, algorithm=algorithm)
         reader = S3Reader(self, self.object_key(key), size=size, etag=head.get("ETag"))
         async for chunk in reader.chunks(start=0, end=size):
             checker.update(chunk)
@@ -402,3 +426,22 @@ class S3Store(BlockStore):
             for obj in page.get("Contents", ()):
                 key, stamp = split_version(str(obj["Key"])[len(self.prefix) :])
                 yield ObjectInfo(key=key, size=int(obj["Size"]), mtime=obj["LastModified"].timestamp(), stamp=stamp)
+
+
+def _metadata(token: str) -> dict[str, str]:
+    """The object's user metadata for checksum ``token``: a sha256 also under the name earlier releases read."""
+    meta = {CHECKSUM_META: token}
+    if algorithm_of(token) == SHA256:
+        meta[DIGEST_META] = token
+    return meta
+
+
+def _recorded(metadata: dict[str, Any]) -> str | None:
+    """The checksum token an object's metadata records (an earlier release's hex sha256 too), if it is one."""
+    for name in (CHECKSUM_META, DIGEST_META):
+        token = str(metadata.get(name, "")).lower()
+        try:
+            return parse_checksum_token(token).token
+        except ValueError:
+            continue
+    return None

@@ -10,6 +10,11 @@ Nothing is trusted blindly: the store checks ``x-amz-content-sha256`` against th
 it: AWS answers XAmzContentSHA256Mismatch, MinIO and Ceph RGW the same), so a header that did not match the body would
 be refused, never stored. A header that is not 64 lowercase hex digits falls back to botocore's own hashing.
 
+A CRC64NVME version has no sha256 at all: its PutObject carries S3's full-object checksum
+(``x-amz-checksum-crc64nvme``), which the store checks against the bytes it receives, and is signed with
+``UNSIGNED-PAYLOAD`` (what botocore itself does over https when a checksum header is present; here over http too),
+so the body is never hashed with sha256, by the gateway or by botocore.
+
 This hooks botocore where it invites it: a name in ``botocore.auth.AUTH_TYPE_MAPS`` and a ``choose-signer`` handler
 on one client; the private helpers it calls are checked for when a client is set up, and botocore's own signer is
 left in place if they are gone. ``tests/contract/test_s3_store.py`` checks that the fast path is the one that runs
@@ -33,6 +38,14 @@ DIGEST_META = "sha256"
 DIGEST_HEADER = f"x-amz-meta-{DIGEST_META}"
 """The header that carries it on a PutObject."""
 
+CHECKSUM_META = "checksum"
+"""User-metadata key (x-amz-meta-checksum) holding the object's checksum token (``contract.wire.Checksum.token``)."""
+
+STORE_CHECKSUM_HEADER = "x-amz-checksum-crc64nvme"
+"""S3's full-object CRC64NVME of the body, which the store checks against the bytes it receives."""
+
+UNSIGNED_PAYLOAD = "UNSIGNED-PAYLOAD"
+
 SIGNATURE_VERSION = "kvgate-s3v4"
 """The name this signer is registered under; it signs exactly like botocore's ``s3v4``."""
 
@@ -40,17 +53,17 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 class KnownDigestS3SigV4Auth(botocore.auth.S3SigV4Auth):  # type: ignore[misc]  # botocore is untyped
-    """botocore's S3 SigV4 signer, with the payload hash read from the request's digest metadata when present."""
+    """botocore's S3 SigV4 signer, with the payload hash read from the request's digest metadata when present, and
+    ``UNSIGNED-PAYLOAD`` for a body that carries S3's CRC64NVME checksum instead (the store checks that one)."""
 
     def payload(self, request: Any) -> str:
+        if self._is_streaming_checksum_payload(request) or not self._should_sha256_sign_payload(request):
+            return str(super().payload(request))
         known = request.headers.get(DIGEST_HEADER)
-        if (
-            known is not None
-            and _HEX64.fullmatch(known)
-            and not self._is_streaming_checksum_payload(request)
-            and self._should_sha256_sign_payload(request)
-        ):
+        if known is not None and _HEX64.fullmatch(known):
             return str(known)
+        if request.headers.get(STORE_CHECKSUM_HEADER) is not None:
+            return UNSIGNED_PAYLOAD
         return str(super().payload(request))
 
 

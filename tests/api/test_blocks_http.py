@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 
 from contract.wire import DIGEST_HEADER
-from tests.conftest import key_for, random_bytes, sha
+from tests.conftest import crc, key_for, random_bytes, sha
 from tests.gateway import Gateway
 
 MiB = 1024 * 1024
@@ -21,21 +21,21 @@ async def test_put_get_head_range_delete(client: httpx.AsyncClient) -> None:
     results = await asyncio.gather(*(client.put(f"/v1/blocks/{k}", content=v) for k, v in blocks.items()))
     assert [r.status_code for r in results] == [201] * 4
     for (key, data), r in zip(blocks.items(), results, strict=True):
-        assert r.json() == {"key": key, "size": len(data), "digest": sha(data), "created": True}
-        assert r.headers["etag"] == f'"{sha(data)}"'
+        assert r.json() == {"key": key, "size": len(data), "digest": crc(data), "created": True}
+        assert r.headers["etag"] == f'"{crc(data)}"'
 
     for key, data in blocks.items():
         got = await client.get(f"/v1/blocks/{key}")
         assert got.status_code == 200
         assert sha(got.content) == sha(data)
-        assert got.headers["etag"] == f'"{sha(data)}"'
+        assert got.headers["etag"] == f'"{crc(data)}"'
         assert got.headers["content-length"] == str(2 * MiB)
 
         head = await client.head(f"/v1/blocks/{key}")
         assert head.status_code == 200
         assert head.content == b""
         assert head.headers["content-length"] == str(2 * MiB)
-        assert head.headers["etag"] == f'"{sha(data)}"'
+        assert head.headers["etag"] == f'"{crc(data)}"'
 
         part = await client.get(f"/v1/blocks/{key}", headers={"Range": "bytes=1000-1048575"})
         assert part.status_code == 206
@@ -88,7 +88,7 @@ async def test_put_semantics(client: httpx.AsyncClient, gateway: Gateway) -> Non
     empty = key_for(103)
     assert (await client.put(f"/v1/blocks/{empty}", content=b"")).status_code == 201
     got = await client.get(f"/v1/blocks/{empty}")
-    assert got.status_code == 200 and got.content == b"" and got.headers["etag"] == f'"{sha(b"")}"'
+    assert got.status_code == 200 and got.content == b"" and got.headers["etag"] == f'"{crc(b"")}"'
     leftovers = [p for p in gateway.data_dir.rglob("*") if p.name.startswith(".kvgate-tmp-")]
     assert leftovers == []
 
@@ -112,7 +112,7 @@ def test_operator_path_with_curl(gateway: Gateway, tmp_path: Path) -> None:
     lines = head.stdout.decode().lower().splitlines()
     assert lines[0].startswith("http/1.1 200")
     assert f"content-length: {2 * MiB}" in lines
-    assert f'etag: "{sha(data)}"' in lines
+    assert f'etag: "{crc(data)}"' in lines
     rng = curl("-r", "0-99", url)
     assert rng.stdout == data[:100]
     miss = curl("-o", "/dev/null", "-w", "%{http_code}", f"{gateway.url}/v1/blocks/{key_for(8)}")

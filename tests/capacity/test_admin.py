@@ -8,7 +8,7 @@ import httpx
 
 from contract.keys import config_path, namespace_for
 from tests.capacity.helpers import block_files, index_rows
-from tests.conftest import TEST_NS, agnostic_fields, key_for, sha
+from tests.conftest import TEST_NS, agnostic_fields, key_for, matches
 from tests.gateway import Gateway, settled_stats
 
 FIELDS = agnostic_fields("admin/model", dtype="float16", groups=[])
@@ -78,7 +78,7 @@ def test_lookup_of_1000_keys(tmp_path: Path) -> None:
             assert [b["key"] for b in body["blocks"]] == keys
             assert [b["present"] for b in body["blocks"]] == [i < 700 or i in (900, 950) for i in range(1000)]
             assert body["blocks"][5]["size"] == 4 and body["blocks"][950]["size"] == 4
-            assert body["blocks"][5]["etag"] == f'"{sha((5).to_bytes(4, "big"))}"'
+            assert matches(body["blocks"][5]["etag"], (5).to_bytes(4, "big"))
             s = c.get("/v1/stats").json()
             assert (s["hits"], s["misses"]) == (0, 0)  # a lookup is not a read
     finally:

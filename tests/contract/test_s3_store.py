@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import hashlib
+import io
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -16,11 +17,11 @@ from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
 
 from app.config import S3Backend
-from app.errors import BackendUnavailable, BlockNotFound
+from app.errors import BackendUnavailable, BlockNotFound, DigestMismatch
 from app.storage import s3_signing
 from app.storage.s3 import DIGEST_META, S3Store
-from app.storage.s3_signing import DIGEST_HEADER, KnownDigestS3SigV4Auth, sign_with_known_digest
-from tests.conftest import random_bytes, sha
+from app.storage.s3_signing import CHECKSUM_META, DIGEST_HEADER, KnownDigestS3SigV4Auth, sign_with_known_digest
+from tests.conftest import crc, crc_header, random_bytes, sha
 from tests.gateway import free_port
 from tests.services import S3_CREDS, S3_SERVERS, S3TestServer, own_s3_server, start_or_skip, unique_bucket
 
@@ -54,9 +55,11 @@ async def test_digest_in_metadata(s3_server: S3TestServer, size: int, announce: 
     store.client.meta.events.register("before-call.s3", lambda model, **_: calls.append(model.name))
     try:
         data = random_bytes(size, size)
-        await store.put("k/x.bin", body(data), size=size, expected_digest=sha(data) if announce else None)
+        meta = await store.put("k/x.bin", body(data), size=size, expected_digest=sha(data) if announce else None)
+        assert meta.digest == (sha(data) if announce else crc(data))  # unannounced: kvgate's default, CRC64NVME
         head = await store.client.head_object(Bucket=store.bucket, Key="p/k/x.bin")
-        assert head["Metadata"][DIGEST_META] == sha(data)
+        assert head["Metadata"][CHECKSUM_META] == meta.digest
+        assert head["Metadata"].get(DIGEST_META) == (sha(data) if announce else None)  # as earlier releases read it
         assert head["ContentLength"] == size
         # a multipart upload whose digest was not announced is copied onto itself afterwards to record it
         assert calls.count("UploadPart") == (3 if size > 6 * MiB else 0)
@@ -208,7 +211,7 @@ async def test_put_object_is_signed_with_the_digest_already_computed(
     await store.start()
     try:
         data = random_bytes(MiB, 7)
-        meta = await store.put("k/x.bin", body(data), size=len(data))
+        meta = await store.put("k/x.bin", body(data), size=len(data), expected_digest=sha(data))
         assert meta.digest == sha(data)
         assert hashed.sizes, "botocore's signer did not run"
         assert max(hashed.sizes) < 4096, f"a body-sized hash in the signer: {sorted(hashed.sizes)[-3:]}"
@@ -229,17 +232,69 @@ async def test_a_botocore_without_the_signers_helpers_keeps_its_own_signer(
 ) -> None:
     """If an upgrade drops what the known-digest signer builds on, PutObject is signed as botocore does it."""
     monkeypatch.setattr(s3_signing, "_USED", (*s3_signing._USED, "_a_helper_an_upgrade_dropped"))
+    store = S3Store(cfg=backend(s3_server.url))
+    await store.start()
+    sent: list[dict[str, bytes]] = []
+    store.client.meta.events.register("before-send.s3.PutObject", lambda request, **_: sent.append(request.headers))
+    try:
+        assert sign_with_known_digest(store.client) is False
+        data = random_bytes(MiB, 8)
+        assert (await store.put("k/x.bin", body(data), size=len(data), expected_digest=sha(data))).digest == sha(data)
+        # botocore hashed the body to sign it (its Python signer, or awscrt's where botocore finds awscrt)
+        assert sent[0]["X-Amz-Content-SHA256"] == sha(data).encode()
+        head = await store.client.head_object(Bucket=store.bucket, Key="k/x.bin")
+        assert head["ContentLength"] == len(data) and head["Metadata"][DIGEST_META] == sha(data)
+    finally:
+        await store.close()
+
+
+async def test_a_crc64nvme_version_goes_up_with_s3s_checksum_and_no_sha256(
+    s3_server: S3TestServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default version: S3's full-object x-amz-checksum-crc64nvme travels with the body and the request is signed
+    UNSIGNED-PAYLOAD: no sha256 of the body anywhere, in the gateway or in botocore."""
     hashed = HashedBytes()
     monkeypatch.setattr(botocore.auth, "sha256", hashed)
     store = S3Store(cfg=backend(s3_server.url))
     await store.start()
+    sent: list[dict[str, bytes]] = []
+    store.client.meta.events.register("before-send.s3.PutObject", lambda request, **_: sent.append(request.headers))
     try:
-        assert sign_with_known_digest(store.client) is False
-        data = random_bytes(MiB, 8)
-        assert (await store.put("k/x.bin", body(data), size=len(data))).digest == sha(data)
-        assert max(hashed.sizes) >= len(data)  # botocore hashed the body to sign it
-        head = await store.client.head_object(Bucket=store.bucket, Key="k/x.bin")
-        assert head["ContentLength"] == len(data) and head["Metadata"][DIGEST_META] == sha(data)
+        data = random_bytes(MiB, 9)
+        meta = await store.put("k/x.bin", body(data), size=len(data))
+        assert meta.digest == crc(data)
+        assert sent[0]["x-amz-checksum-crc64nvme"] == crc_header(data).partition("=")[2].encode()
+        assert sent[0]["X-Amz-Content-SHA256"] == b"UNSIGNED-PAYLOAD"
+        assert max(hashed.sizes) < 4096, f"a body-sized hash in the signer: {sorted(hashed.sizes)[-3:]}"
+        reader = await store.open("k/x.bin", stamp=None)
+        async with reader:
+            assert b"".join([c async for c in reader.chunks(start=0, end=len(data))]) == data
+    finally:
+        await store.close()
+
+
+async def test_seaweedfs_refuses_a_body_that_is_not_its_crc64nvme(s3_server: S3TestServer) -> None:
+    """A body changed between the gateway and the store (here by a hook after signing: UNSIGNED-PAYLOAD lets it
+    through the signature) is refused by a store that checks x-amz-checksum-crc64nvme (SeaweedFS: BadDigest, a
+    DigestMismatch here) and nothing is stored; moto does not check it and stores what it received."""
+    store = S3Store(cfg=backend(s3_server.url))
+    await store.start()
+
+    def flip(request: Any, **_: Any) -> None:
+        raw = bytearray(request.body.getvalue())  # a BytesIO of the signed body
+        raw[len(raw) // 2] ^= 0x01
+        request.body = io.BytesIO(bytes(raw))
+
+    store.client.meta.events.register("before-send.s3.PutObject", flip)
+    try:
+        data = random_bytes(300 * 1024, 10)
+        if s3_server.kind == "seaweedfs":
+            with pytest.raises(DigestMismatch):
+                await store.put("k/x.bin", body(data), size=len(data))
+            assert await store.head("k/x.bin") is None
+        else:
+            await store.put("k/x.bin", body(data), size=len(data))
+            assert await store.head("k/x.bin") == len(data)  # moto keeps the flipped bytes: the gateway's check stands
     finally:
         await store.close()
 

@@ -12,10 +12,12 @@ import pytest
 from app.config import S3Backend
 from app.errors import BlockNotFound, DigestMismatch, SizeMismatch
 from app.storage import BlockStore
+from app.storage.checksums import checksum_of
 from app.storage.filesystem import TEMP_PREFIX, FilesystemStore
 from app.storage.memory import MemoryStore
 from app.storage.s3 import S3Store
-from tests.conftest import random_bytes, sha
+from contract.wire import SHA256
+from tests.conftest import crc, random_bytes, sha
 from tests.services import S3_CREDS, S3_SERVERS, S3TestServer, unique_bucket
 
 MiB = 1024 * 1024
@@ -96,7 +98,7 @@ async def test_reader_is_an_async_context_manager(store: BlockStore) -> None:
 
 async def put(store: BlockStore, key: str, data: bytes, *, digest: str | None = None) -> None:
     meta = await store.put(key, pieces(data), size=len(data), expected_digest=digest)
-    assert (meta.size, meta.digest) == (len(data), sha(data))
+    assert (meta.size, meta.digest) == (len(data), digest or crc(data))  # unannounced: the default, CRC64NVME
 
 
 KEY = "ns_0123456789ab_r0/abc/de_g0/abcdef.bin"
@@ -111,7 +113,9 @@ async def test_put_open_head_digest(store: BlockStore) -> None:
     await reader.aclose()
     assert await read(store, KEY) == data
     meta = await store.digest(KEY)
-    assert (meta.size, meta.digest) == (len(data), sha(data))
+    assert (meta.size, meta.digest) == (len(data), crc(data))
+    assert meta.chunks is not None and meta.chunks.whole(len(data)) == checksum_of(data).crc
+    assert (await store.digest(KEY, algorithm=SHA256)).digest == sha(data)
 
 
 @pytest.mark.parametrize(
@@ -160,16 +164,16 @@ async def test_overwrite(store: BlockStore) -> None:
     await put(store, KEY, new)
     assert await store.head(KEY) == len(new)
     assert await read(store, KEY) == new
-    assert (await store.digest(KEY)).digest == sha(new)
+    assert (await store.digest(KEY)).digest == crc(new)
     assert [i.key async for i in store.list()] == [KEY]
 
 
 async def test_empty_object(store: BlockStore) -> None:
     meta = await store.put(KEY, pieces(b""), size=0)
-    assert (meta.size, meta.digest) == (0, sha(b""))
+    assert (meta.size, meta.digest) == (0, crc(b""))
     assert await store.head(KEY) == 0
     assert await read(store, KEY) == b""
-    assert (await store.digest(KEY)).digest == sha(b"")
+    assert (await store.digest(KEY)).digest == crc(b"")
 
 
 @pytest.mark.parametrize("announce", [True, False])
@@ -180,7 +184,7 @@ async def test_large_multi_chunk(store: BlockStore, announce: bool) -> None:
     got = await read(store, KEY)
     assert len(got) == LARGE and got == data
     assert await read(store, KEY, 5 * MiB - 3, 10 * MiB + 3) == data[5 * MiB - 3 : 10 * MiB + 3]
-    assert (await store.digest(KEY)).digest == sha(data)
+    assert (await store.digest(KEY)).digest == crc(data)
     assert await leftovers(store) == 0
 
 
@@ -192,13 +196,14 @@ def _bad_bodies(data: bytes) -> dict[str, tuple[object, int, str | None, type[Ba
         "short": (pieces(data[:-1]), n, None, SizeMismatch),
         "long": (pieces(data + b"!"), n, None, SizeMismatch),
         "digest": (pieces(data), n, sha(data + b"?"), DigestMismatch),
+        "crc": (pieces(data), n, crc(data + b"?"), DigestMismatch),
     }
 
 
 @pytest.mark.parametrize(
     ("failure", "size"),
-    [(f, 70_000) for f in ("iterator_fails", "short", "long", "digest")]
-    + [(f, LARGE) for f in ("iterator_fails", "long", "digest")],  # LARGE: S3's multipart path
+    [(f, 70_000) for f in ("iterator_fails", "short", "long", "digest", "crc")]
+    + [(f, LARGE) for f in ("iterator_fails", "long", "digest", "crc")],  # LARGE: S3's multipart path
 )
 async def test_failed_put_publishes_nothing(store: BlockStore, size: int, failure: str) -> None:
     data = random_bytes(size, 6)

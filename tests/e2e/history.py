@@ -19,7 +19,6 @@ What is checked (a necessary condition of linearizability per key, without the s
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import itertools
 import random
 import time
@@ -30,14 +29,16 @@ from typing import Literal
 
 import httpx
 
-from tests.conftest import key_for
+from tests.conftest import crc, key_for
 
 Outcome = Literal["ok", "failed", "unknown"]
 Kind = Literal["put", "create", "delete", "parts", "import"]
 
 
-def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+def digest_of(data: bytes) -> str:
+    """A body's checksum token as the gateway records it (every write here sends none: CRC64NVME) and quotes it in
+    its ETag: the history's name for the body."""
+    return crc(data)
 
 
 @dataclass(slots=True)
@@ -45,7 +46,7 @@ class Op:
     kind: Kind
     key: str
     value: str | None
-    """The body's sha256 this op writes (None: a delete)."""
+    """The body's checksum token this op writes (None: a delete), as the gateway's ETag quotes it."""
     start: float
     end: float = 0.0
     outcome: Outcome = "unknown"
@@ -153,7 +154,7 @@ class Traffic:
 
     async def _put(self, client: httpx.AsyncClient, url: str, key: str, rng: random.Random, *, create: bool) -> None:
         body = rng.randbytes(rng.randrange(self.block // 4, self.block))
-        op = self.history.begin("create" if create else "put", key, sha(body))
+        op = self.history.begin("create" if create else "put", key, digest_of(body))
         headers = {"If-None-Match": "*"} if create else {}
         await self._send(op, lambda: client.put(f"{url}/v1/blocks/{key}", content=body, headers=headers), (200, 201))
 
@@ -169,7 +170,7 @@ class Traffic:
         cuts = sorted({0, total, *(rng.randrange(1, total) for _ in range(rng.randrange(1, 4)))})
         spans = list(itertools.pairwise(cuts))
         rng.shuffle(spans)
-        op = self.history.begin("parts", key, sha(body))
+        op = self.history.begin("parts", key, digest_of(body))
         answers: list[Outcome] = []
         complete = False
         for a, b in spans:
@@ -197,7 +198,7 @@ class Traffic:
         end = time.monotonic()
         self.history.statuses[f"get {r.status_code}"] += 1
         if r.status_code == 200:
-            value = sha(r.content)
+            value = digest_of(r.content)
             assert r.headers["etag"] == f'"{value}"', f"{key}: a body served under another body's ETag"
             self.history.reads.append(Read(key, value, start, end, "GET"))
         elif r.status_code == 404:
@@ -295,7 +296,7 @@ def final_state(url: str, keys: list[str]) -> dict[str, str | None]:
                 out[key] = None
                 continue
             assert got.status_code == 200 and head.status_code == 200 and slot["present"], (key, got.status_code)
-            value = sha(got.content)
+            value = digest_of(got.content)
             assert got.headers["etag"] == head.headers["etag"] == f'"{value}"' == slot["etag"], key
             out[key] = value
     return out

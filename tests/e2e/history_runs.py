@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 from tests.capacity.helpers import block_files, index_rows
-from tests.e2e.history import History, Traffic, Verdict, check, final_state, sha, workload_keys
+from tests.e2e.history import History, Traffic, Verdict, check, digest_of, final_state, workload_keys
 from tests.gateway import REPO, Gateway
 from tests.s3_servers import S3TestServer
 from tests.services import asyncpg_dsn
@@ -108,7 +108,7 @@ class Tools:
             path = self.source / key
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(body)
-            ops.append(self.history.begin("import", key, sha(body)))
+            ops.append(self.history.begin("import", key, digest_of(body)))
         done = _cli("import", str(self.source), env=env)
         for op in ops:
             History.end(op, "unknown")  # per key, the import may or may not have stored it (create-only)

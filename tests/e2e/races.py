@@ -1,7 +1,7 @@
 """Drivers and checks for the race tests: many clients on a few keys, every answer checked against its own ETag.
 
-Every 2xx GET body must hash to the ETag it came with (and to ``X-KVGate-SHA256``), every 206 to its
-``X-KVGate-Range-SHA256`` and to the matching slice of the body that ETag names; every HEAD's Content-Length must be
+Every 2xx GET body must hash to the ETag it came with (and to ``X-KVGate-Checksum``), every 206 to its
+``X-KVGate-Range-Checksum`` and to the matching slice of the body that ETag names; every HEAD's Content-Length must be
 the size of the body its ETag names. At the end, HEAD, GET, lookup, ``/v1/stats`` and (on the filesystem) the files
 and the SQLite rows must all agree.
 """
@@ -21,10 +21,12 @@ from typing import TypeVar
 
 import httpx
 
+from contract.wire import parse_checksum_token
+from tests.conftest import crc, crc_header, matches, token_as
 from tests.gateway import Gateway
 
-RANGE_SHA = "x-kvgate-range-sha256"
-DIGEST = "x-kvgate-sha256"
+RANGE_CHECKSUM = "x-kvgate-range-checksum"
+CHECKSUM = "x-kvgate-checksum"
 T = TypeVar("T")
 
 
@@ -32,17 +34,22 @@ def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def token(data: bytes) -> str:
+    """The checksum token (the ETag's) of a body PUT without a checksum header: kvgate's default, CRC64NVME."""
+    return crc(data)
+
+
 @dataclass
 class Ledger:
     """What clients were told and what they saw wrong."""
 
     bodies: dict[str, bytes] = field(default_factory=dict)
-    """Every body any writer sent, by sha256."""
+    """Every body any writer sent, by its checksum token."""
     errors: list[str] = field(default_factory=list)
     statuses: Counter[str] = field(default_factory=Counter)
 
     def add(self, data: bytes) -> str:
-        digest = sha(data)
+        digest = token(data)
         self.bodies[digest] = data
         return digest
 
@@ -67,8 +74,8 @@ async def checked_get(c: httpx.AsyncClient, key: str, ledger: Ledger, *, ranged:
         return None
     tag = _etag(r)
     if r.status_code == 200:
-        if sha(r.content) != tag or r.headers.get(DIGEST) != tag:
-            ledger.wrong(f"GET {key}: body sha {sha(r.content)[:12]} under ETag {tag[:12]}")
+        if not matches(tag, r.content) or r.headers.get(CHECKSUM) != parse_checksum_token(tag).header:
+            ledger.wrong(f"GET {key}: body {token(r.content)} under ETag {tag}")
         if int(r.headers["content-length"]) != len(r.content):
             ledger.wrong(f"GET {key}: content-length {r.headers['content-length']} for {len(r.content)} bytes")
         return r.content
@@ -78,7 +85,7 @@ async def checked_get(c: httpx.AsyncClient, key: str, ledger: Ledger, *, ranged:
         start, _, last = first.partition("-")
         if whole is None or int(total) != len(whole):
             ledger.wrong(f"Range GET {key}: ETag {tag[:12]} / total {total} names no body that was sent")
-        elif whole[int(start) : int(last) + 1] != r.content or r.headers.get(RANGE_SHA) != sha(r.content):
+        elif whole[int(start) : int(last) + 1] != r.content or r.headers.get(RANGE_CHECKSUM) != crc_header(r.content):
             ledger.wrong(f"Range GET {key}: bytes {first} are not those of the body under ETag {tag[:12]}")
         return r.content
     if r.status_code != 416:
@@ -153,8 +160,8 @@ def assert_fs_agrees(data_dir: Path) -> dict[str, tuple[int, str]]:
     assert set(rows) == set(files), (
         f"rows without file {set(rows) - set(files)}, files without row {set(files) - set(rows)}"
     )
-    bad = {k: (rows[k][1][:12], sha(files[k])[:12]) for k in rows if (len(files[k]), sha(files[k])) != rows[k]}
-    assert not bad, f"row digest != file sha256: {bad}"
+    bad = {k: rows[k][1] for k in rows if (len(files[k]), token_as(rows[k][1], files[k])) != rows[k]}
+    assert not bad, f"row digest != its file's: {bad}"
     return rows
 
 
@@ -174,7 +181,7 @@ def assert_http_agrees(url: str, keys: list[str], ledger: Ledger) -> dict[str, s
                 continue
             assert g.status_code == 200 and h.status_code == 200, (key, g.status_code, h.status_code)
             tag = _etag(g)
-            assert sha(g.content) == tag == _etag(h), key
+            assert matches(tag, g.content) and tag == _etag(h), key
             assert tag in ledger.bodies, f"{key}: served a body that no writer sent"
             assert int(h.headers["content-length"]) == len(g.content) == slot["size"], key
             assert slot["present"] and slot["etag"].strip('"') == tag, (key, slot)

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import key_for, random_bytes, sha
+from tests.conftest import crc, key_for, random_bytes
 from tests.e2e.races import assert_fs_agrees
 from tests.gateway import Gateway
 from tests.services import require_or_skip
@@ -43,16 +43,16 @@ def test_disk_full_with_index_on_the_same_filesystem(small_tmpfs: Path) -> None:
                 data = random_bytes(200_000 + 2000 * i, i)
                 r = c.put(f"/v1/blocks/{key}", content=data)
                 if r.status_code in (200, 201):
-                    acked[key] = sha(data)
+                    acked[key] = crc(data)
                     refused.pop(key, None)
                 else:
                     assert r.status_code in (503, 507), r.text
                     assert r.json()["error"]["code"] in ("insufficient_storage", "index_unavailable")
-                    refused.setdefault(key, set()).add(sha(data))
+                    refused.setdefault(key, set()).add(crc(data))
             assert refused, "the filesystem never filled up"
             for key, digests in refused.items():
                 got = c.get(f"/v1/blocks/{key}")
-                assert got.status_code == 404 or sha(got.content) not in digests
+                assert got.status_code == 404 or crc(got.content) not in digests
     finally:
         gw.stop()
     gw.start()
@@ -60,7 +60,7 @@ def test_disk_full_with_index_on_the_same_filesystem(small_tmpfs: Path) -> None:
         with httpx.Client(base_url=gw.url, timeout=30) as c:
             for key, digest in acked.items():
                 got = c.get(f"/v1/blocks/{key}")
-                assert got.status_code == 200 and sha(got.content) == digest, key
+                assert got.status_code == 200 and crc(got.content) == digest, key
             for key in refused:
                 if key not in acked:
                     assert c.head(f"/v1/blocks/{key}").status_code == 404, f"a refused PUT of {key} was adopted"

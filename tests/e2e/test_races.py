@@ -26,6 +26,7 @@ from tests.e2e.races import (
     assert_http_agrees,
     assert_stats_exact,
     sha,
+    token,
     while_reading,
 )
 from tests.gateway import Gateway, settled_stats
@@ -109,7 +110,7 @@ def test_put_delete_put_jitter(gateway: Gateway) -> None:
                     assert data is not None
                     r = await c.put(f"/v1/blocks/{key}", content=data)
                     if r.status_code in (200, 201):
-                        done[key].append((time.monotonic(), "put", sha(data)))
+                        done[key].append((time.monotonic(), "put", token(data)))
                     else:
                         ledger.wrong(f"PUT {key}: {r.status_code}")
                 else:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.conftest import key_for, random_bytes, sha
+from tests.conftest import key_for, matches, random_bytes, sha
 from tests.gateway import Gateway
 
 BLOCK = 64 * 1024
@@ -68,7 +68,7 @@ def test_start_up_settles_rows_in_doubt(tmp_path: Path) -> None:
                 r = c.get(f"/v1/blocks/{key}")
                 assert r.status_code == 200, key
                 assert r.content == bodies[key], key
-                assert r.headers["etag"] == f'"{sha(bodies[key])}"'
+                assert matches(r.headers["etag"], bodies[key])
             stats = c.get("/v1/stats").json()
             assert (stats["blocks"], stats["usage_bytes"]) == (3, 3 * BLOCK)
     finally:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import random
 import signal
@@ -14,7 +13,7 @@ from typer.testing import CliRunner
 
 from app.tools.cli import cli
 from contract.keys import namespace_for
-from tests.conftest import TEST_NS, agnostic_fields, key_for
+from tests.conftest import TEST_NS, agnostic_fields, crc, key_for
 from tests.events.helpers import events_gateway, hello, read_batches, sse
 from tests.gateway import Gateway
 
@@ -52,7 +51,7 @@ def test_sse_stream_and_cli_tail(tmp_path: Path) -> None:
             ("BlockRemoved", o),
         ]
         assert events[0]["token_ids"] == [7, 8, 9] and events[0]["parent_block_hash"] is None
-        assert events[0]["digest"] == hashlib.sha256(b"a" * 100).hexdigest() and events[0]["size"] == 100
+        assert events[0]["digest"] == crc(b"a" * 100) and events[0]["size"] == 100
         assert [b["seq"] for b in batches] == list(range(first, first + len(batches)))
 
         only = read_batches(gw.url, since=first, events=3, namespace=TEST_NS)

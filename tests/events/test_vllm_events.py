@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from app.core.events_wire import EventCodec, WireFormat
-from tests.conftest import TEST_NS, agnostic_fields, key_for
+from tests.conftest import TEST_NS, agnostic_fields, crc, key_for
 from tests.events.helpers import events_gateway, hello
 from tests.gateway import REPO
 
@@ -73,7 +73,7 @@ def test_vllm_classes_decode_store_overwrite_delete_evict_and_replay(vllm_python
             assert http.put(f"/v1/blocks/{a}", content=b"a" * BLOCK, headers=meta).status_code == 201
             assert http.put(f"/v1/blocks/{b}", content=b"b" * BLOCK).status_code == 201
             over = http.put(f"/v1/blocks/{a}", content=b"A" * BLOCK)  # overwrite: a new version, an event
-            assert over.status_code == 200 and over.json()["digest"] == hashlib.sha256(b"A" * BLOCK).hexdigest()
+            assert over.status_code == 200 and over.json()["digest"] == crc(b"A" * BLOCK)
             assert http.put(f"/v1/blocks/{a}", content=b"A" * BLOCK).status_code == 200  # same bytes: no event
             assert http.delete(f"/v1/blocks/{b}").status_code == 204
             assert http.put(f"/v1/blocks/{b}", content=b"x" * 10, headers={"If-None-Match": "x"}).status_code == 400

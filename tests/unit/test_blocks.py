@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from contract.wire import DIGEST_HEADER, RANGE_DIGEST_HEADER
-from tests.conftest import key_for, random_bytes, sha
+from contract.wire import CHECKSUM_HEADER, DIGEST_HEADER, RANGE_CHECKSUM_HEADER, RANGE_DIGEST_HEADER
+from tests.conftest import crc, crc_header, key_for, random_bytes, sha
 from tests.unit.inprocess import Gateway, running, settings_for
 
 KiB = 1024
@@ -26,21 +26,23 @@ async def test_put_get_head_delete(any_gw: Gateway) -> None:
     for key, data in blocks.items():
         r = await c.put(f"/v1/blocks/{key}", content=data)
         assert r.status_code == 201, r.text
-        assert r.json() == {"key": key, "size": len(data), "digest": sha(data), "created": True}
-        assert r.headers["etag"] == f'"{sha(data)}"'
+        assert r.json() == {"key": key, "size": len(data), "digest": crc(data), "created": True}
+        assert r.headers["etag"] == f'"{crc(data)}"'
         assert r.headers["location"] == f"/v1/blocks/{key}"
     for key, data in blocks.items():
         got = await c.get(f"/v1/blocks/{key}")
         assert got.status_code == 200
         assert got.content == data
-        assert got.headers["etag"] == f'"{sha(data)}"'
-        assert got.headers[DIGEST_HEADER] == sha(data)
+        assert got.headers["etag"] == f'"{crc(data)}"'
+        assert got.headers[CHECKSUM_HEADER] == crc_header(data)
+        assert DIGEST_HEADER not in got.headers  # only a version stored with a sha256 has one
         assert got.headers["content-length"] == str(len(data))
         assert got.headers["accept-ranges"] == "bytes"
         head = await c.head(f"/v1/blocks/{key}")
         assert head.status_code == 200 and head.content == b""
         assert head.headers["content-length"] == str(len(data))
-        assert head.headers["etag"] == f'"{sha(data)}"'
+        assert head.headers["etag"] == f'"{crc(data)}"'
+        assert head.headers[CHECKSUM_HEADER] == crc_header(data)
 
     key = key_for(0)
     assert (await c.delete(f"/v1/blocks/{key}")).status_code == 204
@@ -72,7 +74,7 @@ async def test_create_only_and_overwrite(any_gw: Gateway) -> None:
     replaced = await c.put(f"/v1/blocks/{key}", content=other)
     assert replaced.status_code == 200 and replaced.json()["created"] is False  # a new version of a present key
     got = await c.get(f"/v1/blocks/{key}")
-    assert got.content == other and got.headers["etag"] == f'"{sha(other)}"'
+    assert got.content == other and got.headers["etag"] == f'"{crc(other)}"'
     stats = await any_gw.stats()
     assert stats["blocks"] == 1 and stats["usage_bytes"] == len(other)
 
@@ -101,7 +103,7 @@ async def test_empty_block_and_bad_keys(any_gw: Gateway) -> None:
     empty = key_for(300)
     assert (await c.put(f"/v1/blocks/{empty}", content=b"")).status_code == 201
     got = await c.get(f"/v1/blocks/{empty}")
-    assert got.status_code == 200 and got.content == b"" and got.headers["etag"] == f'"{sha(b"")}"'
+    assert got.status_code == 200 and got.content == b"" and got.headers["etag"] == f'"{crc(b"")}"'
     for bad in ("garbage", "a/%2e%2e/%2e%2e/etc/passwd", f"{key_for(1)}x", f"_parts/{key_for(1)}/0-9.x"):
         r = await c.put(f"/v1/blocks/{bad}", content=b"0123456789")
         assert r.status_code == 400, (bad, r.status_code)
@@ -127,8 +129,9 @@ async def test_ranges(any_gw: Gateway) -> None:
         assert part.content == want, header
         assert part.headers["content-range"] == f"bytes {start}-{end - 1}/{size}", header
         assert part.headers["content-length"] == str(len(want))
-        assert part.headers[RANGE_DIGEST_HEADER] == sha(want), header
-        assert part.headers["etag"] == f'"{sha(data)}"'
+        assert part.headers[RANGE_CHECKSUM_HEADER] == crc_header(want), header
+        assert RANGE_DIGEST_HEADER not in part.headers  # only a version stored with a sha256 has one
+        assert part.headers["etag"] == f'"{crc(data)}"'
 
     for header in (f"bytes={size}-", "bytes=-0", "bytes=5-1"):
         bad = await c.get(f"/v1/blocks/{key}", headers={"Range": header})
@@ -143,17 +146,28 @@ async def test_ranges(any_gw: Gateway) -> None:
     assert miss.status_code == 404
 
 
-async def test_range_above_the_verify_bound_streams(tmp_path: Path) -> None:
-    async with running(settings_for(tmp_path, verify_range_max_bytes=1000, io_chunk_bytes=4 * KiB)) as g:
-        key, data = key_for(500), random_bytes(50 * KiB, 500)
+@pytest.mark.parametrize("fs", [False, True])
+async def test_every_range_of_a_chunked_object_is_vouched_for(tmp_path: Path, fs: bool) -> None:
+    """Ranges across the chunk grid (64 KiB chunks of a 1 MiB object, read 5 KiB at a time): aligned, cut at either
+    end, inside one chunk, the whole object; a sha256 version also answers the range's sha256 (earlier clients)."""
+    async with running(settings_for(tmp_path, fs=fs, io_chunk_bytes=5 * KiB)) as g:
+        key, data = key_for(500), random_bytes(1024 * KiB + 17, 500)
         assert (await g.client.put(f"/v1/blocks/{key}", content=data)).status_code == 201
-        part = await g.client.get(f"/v1/blocks/{key}", headers={"Range": "bytes=5000-30000"})
-        assert part.status_code == 206 and part.content == data[5000:30001]
-        assert RANGE_DIGEST_HEADER.lower() not in part.headers  # only verified ranges carry it
-        small, tiny = key_for(501), b"t" * 900
-        assert (await g.client.put(f"/v1/blocks/{small}", content=tiny)).status_code == 201
-        part = await g.client.get(f"/v1/blocks/{small}", headers={"Range": "bytes=10-19"})
-        assert part.headers[RANGE_DIGEST_HEADER] == sha(tiny[10:20])
+        legacy, old = key_for(501), random_bytes(300 * KiB, 501)
+        r = await g.client.put(f"/v1/blocks/{legacy}", content=old, headers={DIGEST_HEADER: sha(old)})
+        assert r.status_code == 201 and r.json()["digest"] == sha(old)
+        spans = [(0, 64 * KiB), (64 * KiB, 256 * KiB), (1000, 70 * KiB), (65 * KiB, 66 * KiB), (0, len(data))]
+        spans += [(3, 129 * KiB + 5), (len(data) - 17, len(data)), (len(data) - 100, len(data) - 1)]
+        for start, end in spans:
+            part = await g.client.get(f"/v1/blocks/{key}", headers={"Range": f"bytes={start}-{end - 1}"})
+            assert part.status_code == 206 and part.content == data[start:end], (start, end)
+            assert part.headers[RANGE_CHECKSUM_HEADER] == crc_header(data[start:end]), (start, end)
+            if end <= len(old):
+                part = await g.client.get(f"/v1/blocks/{legacy}", headers={"Range": f"bytes={start}-{end - 1}"})
+                assert part.status_code == 206 and part.content == old[start:end], (start, end)
+                assert part.headers[RANGE_CHECKSUM_HEADER] == crc_header(old[start:end]), (start, end)
+                assert part.headers[RANGE_DIGEST_HEADER] == sha(old[start:end]), (start, end)
+                assert part.headers["etag"] == f'"{sha(old)}"' and part.headers[DIGEST_HEADER] == sha(old)
 
 
 async def test_size_limit_and_length_required(tmp_path: Path) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from app.api.routes.lookup import LookupResponse, LookupSlot
-from tests.conftest import key_for, random_bytes, sha
+from tests.conftest import crc, key_for, random_bytes
 from tests.unit.inprocess import Gateway
 
 
@@ -16,7 +16,7 @@ async def test_answer_is_the_models_json(gw: Gateway) -> None:
     r = await c.post("/v1/lookup", json={"keys": keys})
     assert r.status_code == 200 and r.headers["content-type"] == "application/json"
     slots = [
-        LookupSlot(key=k, present=True, size=len(bodies[i]), etag=f'"{sha(bodies[i])}"')
+        LookupSlot(key=k, present=True, size=len(bodies[i]), etag=f'"{crc(bodies[i])}"')
         if i in bodies
         else LookupSlot(key=k, present=False)
         for i, k in enumerate(keys)

@@ -4,10 +4,14 @@ a restart over the same store and index (usage reloaded, nothing lost)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 from pathlib import Path
 
+from app.storage.checksums import checksum_of
 from contract.keys import namespace_for, run_fields
-from tests.conftest import TEST_NS, agnostic_fields, key_for, random_bytes, sha
+from contract.wire import SHA256
+from tests.conftest import TEST_NS, agnostic_fields, crc, crc_header, key_for, random_bytes, sha
 from tests.unit.inprocess import Gateway, running, settings_for
 
 OTHER_NS = "other_model_0123456789ab"
@@ -92,7 +96,7 @@ async def test_concurrent_writers_of_one_key_leave_one_whole_version(fs_gw: Gate
     assert all(r.status_code in (200, 201) for r in results), [r.text for r in results]
     got = await fs_gw.client.get(f"/v1/blocks/{key}")
     assert got.content in versions
-    assert got.headers["etag"] == f'"{sha(got.content)}"'  # the body is the one its row names
+    assert got.headers["etag"] == f'"{crc(got.content)}"'  # the body is the one its row names
     assert (tmp_path / "blocks" / key).read_bytes() == got.content
     stats = await fs_gw.stats()
     assert (stats["blocks"], stats["usage_bytes"]) == (1, len(got.content))
@@ -111,7 +115,7 @@ async def test_restart_over_the_same_store_and_index(tmp_path: Path) -> None:
         assert (stats["blocks"], stats["usage_bytes"]) == (3, sum(len(v) for v in blocks.values()))
         for key, data in blocks.items():
             got = await gw.client.get(f"/v1/blocks/{key}")
-            assert got.content == data and got.headers["etag"] == f'"{sha(data)}"'
+            assert got.content == data and got.headers["etag"] == f'"{crc(data)}"'
         assert (await gw.client.head(f"/v1/blocks/{key_for(0)}")).status_code == 404
 
 
@@ -128,6 +132,31 @@ async def test_reconcile_adopts_and_forgets(tmp_path: Path) -> None:
     async with running(cfg) as gw:
         assert (await gw.client.head(f"/v1/blocks/{key_for(0)}")).status_code == 404
         got = await gw.client.get(f"/v1/blocks/{key_for(9)}")
-        assert got.status_code == 200 and got.content == adopted and got.headers["etag"] == f'"{sha(adopted)}"'
+        assert got.status_code == 200 and got.content == adopted and got.headers["etag"] == f'"{crc(adopted)}"'
         stats = await gw.stats()
         assert (stats["blocks"], stats["usage_bytes"]) == (3, 500 * 2 + 700)
+
+
+async def test_reconcile_checks_a_row_in_its_own_algorithm(tmp_path: Path) -> None:
+    """A sha256 row and a CRC64NVME row whose files were touched (a new mtime: the version stamp no longer fits)
+    are found intact by recovery, which hashes each in its row's algorithm: kept, re-stamped, still that checksum;
+    a rotten one is removed."""
+    cfg = settings_for(tmp_path, fs=True)
+    signed, plain, rotten = random_bytes(3000, 1), random_bytes(4000, 2), random_bytes(5000, 3)
+    async with running(cfg) as gw:
+        sha_header = {"X-KVGate-Checksum": checksum_of(signed, SHA256).header}
+        assert (await gw.client.put(f"/v1/blocks/{key_for(1)}", content=signed, headers=sha_header)).status_code == 201
+        assert (await gw.client.put(f"/v1/blocks/{key_for(2)}", content=plain)).status_code == 201
+        assert (await gw.client.put(f"/v1/blocks/{key_for(3)}", content=rotten)).status_code == 201
+    root = tmp_path / "blocks"
+    for i in (1, 2):
+        os.utime(root / key_for(i), (time.time() + 5, time.time() + 5))
+    (root / key_for(3)).write_bytes(rotten[:-1] + b"?")
+    async with running(cfg) as gw:
+        got = await gw.client.get(f"/v1/blocks/{key_for(1)}")
+        assert got.content == signed and got.headers["etag"] == f'"{sha(signed)}"'
+        got = await gw.client.get(f"/v1/blocks/{key_for(2)}")
+        assert got.content == plain and got.headers["etag"] == f'"{crc(plain)}"'
+        assert (await gw.client.get(f"/v1/blocks/{key_for(3)}")).status_code == 404
+        part = await gw.client.get(f"/v1/blocks/{key_for(2)}", headers={"Range": "bytes=10-2999"})
+        assert part.content == plain[10:3000] and part.headers["x-kvgate-range-checksum"] == crc_header(plain[10:3000])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator
 from typing import Annotated
 
@@ -14,13 +15,22 @@ from app.api.routes.deps import service, settings
 from app.api.routes.thin import ThinRoute
 from app.config import Settings
 from app.core.events import parse_meta_header, writer_meta
-from app.core.reads import OpenBlock, read_range_verified
+from app.core.reads import OpenBlock, vouch_range
 from app.core.service import BlockService
 from app.errors import InvalidRequest, LengthRequired, PayloadTooLarge
 from app.storage.base import Version
 from contract import wire
 from contract.keys import BlockKey, parse_block_key
-from contract.wire import BLOCK_META_HEADER, DIGEST_HEADER, PART_DIGEST_HEADER, RANGE_DIGEST_HEADER
+from contract.wire import (
+    BLOCK_META_HEADER,
+    CHECKSUM_HEADER,
+    DIGEST_HEADER,
+    PART_CHECKSUM_HEADER,
+    PART_DIGEST_HEADER,
+    RANGE_CHECKSUM_HEADER,
+    RANGE_DIGEST_HEADER,
+    SHA256,
+)
 
 router = APIRouter(prefix="/v1/blocks", tags=["blocks"], route_class=ThinRoute)  # the data path: cheap binding
 
@@ -30,7 +40,7 @@ PATH_DOC = "A vLLM FileMapper path: `<ns>_r<rank>/<hhh>/<hh>_g<group>/<hash>.bin
 class PutResponse(BaseModel):
     key: str
     size: int
-    digest: str
+    digest: str = Field(description="the checksum token the ETag quotes: `crc64nvme:<hex>`, or a sha256's bare hex")
     created: bool
 
 
@@ -39,17 +49,33 @@ class PartResponse(BaseModel):
     start: int
     end: int = Field(description="inclusive, as in Content-Range")
     total: int
-    part_digest: str
+    part_digest: str = Field(description="the part's checksum token")
     complete: bool = Field(description="the parts now cover the object: it is visible")
-    digest: str | None = Field(default=None, description="sha256 of the whole object once complete")
+    digest: str | None = Field(default=None, description="the whole object's checksum token once complete")
+
+
+def _token(checksum: wire.Checksum | None) -> str | None:
+    return None if checksum is None else checksum.token
 
 
 def etag(meta: Version) -> str:
     return wire.quote_etag(meta.digest)
 
 
+@functools.lru_cache(maxsize=4096)
+def _checksum_headers(token: str) -> tuple[tuple[str, str], ...]:
+    """The headers a version's checksum token gives (parsed once per token: HEAD and GET are the hot path)."""
+    checksum = wire.parse_checksum_token(token)
+    headers = [("ETag", checksum.etag), (CHECKSUM_HEADER, checksum.header)]
+    if checksum.algorithm == SHA256:
+        headers.append((DIGEST_HEADER, checksum.hex))
+    return tuple(headers)
+
+
 def meta_headers(meta: Version) -> dict[str, str]:
-    return {"ETag": etag(meta), DIGEST_HEADER: meta.digest, "Accept-Ranges": "bytes"}
+    """ETag (the quoted checksum token), X-KVGate-Checksum (``<algorithm>=<base64>``), and for a version stored
+    with a sha256 its hex in X-KVGate-SHA256 too, as earlier clients read it."""
+    return {**dict(_checksum_headers(meta.digest)), "Accept-Ranges": "bytes"}
 
 
 class BlockResponse(Response):
@@ -89,7 +115,7 @@ async def _put_part(
         key,
         request.stream(),
         span=span,
-        part_digest=wire.parse_digest(part_digest, header=PART_DIGEST_HEADER),
+        part_digest=part_digest,
         create_only=create_only,
     )
     body = PartResponse(
@@ -134,12 +160,21 @@ async def put_block(
     cfg: Annotated[Settings, Depends(settings)],
     content_length: Annotated[int | None, Header(ge=0)] = None,
     if_none_match: Annotated[str | None, Header()] = None,
-    x_kvgate_sha256: Annotated[str | None, Header(alias=DIGEST_HEADER, description="hex sha256 of the body")] = None,
+    x_kvgate_checksum: Annotated[
+        str | None,
+        Header(alias=CHECKSUM_HEADER, description="`crc64nvme=<base64>` or `sha256=<base64>` of the body: verified"),
+    ] = None,
+    x_kvgate_sha256: Annotated[
+        str | None, Header(alias=DIGEST_HEADER, description="hex sha256 of the body (earlier clients)")
+    ] = None,
     content_range: Annotated[
         str | None, Header(description="`bytes a-b/total`: store one part of a multi-part object")
     ] = None,
+    x_kvgate_part_checksum: Annotated[
+        str | None, Header(alias=PART_CHECKSUM_HEADER, description="`<algorithm>=<base64>` of this part's bytes")
+    ] = None,
     x_kvgate_part_sha256: Annotated[
-        str | None, Header(alias=PART_DIGEST_HEADER, description="hex sha256 of this part's bytes")
+        str | None, Header(alias=PART_DIGEST_HEADER, description="hex sha256 of this part's bytes (earlier clients)")
     ] = None,
     x_kvgate_block_meta: Annotated[
         str | None, Header(alias=BLOCK_META_HEADER, description="`parent=<hex>; tokens=1,2,3`: for the KV events")
@@ -164,14 +199,21 @@ async def put_block(
             svc,
             span=span,
             content_length=content_length,
-            part_digest=x_kvgate_part_sha256,
+            part_digest=_token(
+                wire.parse_request_checksum(
+                    x_kvgate_part_checksum,
+                    x_kvgate_part_sha256,
+                    header=PART_CHECKSUM_HEADER,
+                    legacy_header=PART_DIGEST_HEADER,
+                )
+            ),
             create_only=if_none_match is not None,
         )
     result = await svc.put(
         key,
         request.stream(),
         size=content_length,
-        digest=wire.parse_digest(x_kvgate_sha256, header=DIGEST_HEADER),
+        digest=_token(wire.parse_request_checksum(x_kvgate_checksum, x_kvgate_sha256)),
         create_only=if_none_match is not None,
     )
     body = PutResponse(key=result.meta.key, size=result.meta.size, digest=result.meta.digest, created=result.created)
@@ -196,7 +238,6 @@ async def put_block(
 async def get_block(
     path: str,
     svc: Annotated[BlockService, Depends(service)],
-    cfg: Annotated[Settings, Depends(settings)],
     range_: Annotated[str | None, Header(alias="Range")] = None,
 ) -> Response:
     key = parse_block_key(path)
@@ -211,10 +252,14 @@ async def get_block(
         return BlockResponse(block, start=0, end=block.meta.size, status_code=200, headers=headers)
     start, end = span
     headers["Content-Range"] = wire.format_content_range(start=start, end=end, total=block.meta.size)
-    if block.meta.size <= cfg.verify_range_max_bytes:
-        data, range_digest = await read_range_verified(block, start, end)
-        headers[RANGE_DIGEST_HEADER] = range_digest
-        return Response(data, status_code=206, headers=headers, media_type="application/octet-stream")
+    try:  # every range, at every size: its checksum, from the chunk CRCs recorded at write time (app/core/reads.py)
+        proof = await vouch_range(block, start, end)
+    except BaseException:
+        await block.reader.aclose()
+        raise
+    headers[RANGE_CHECKSUM_HEADER] = proof.crc.header
+    if proof.sha256 is not None:
+        headers[RANGE_DIGEST_HEADER] = proof.sha256
     return BlockResponse(block, start=start, end=end, status_code=206, headers=headers)
 
 

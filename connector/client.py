@@ -13,8 +13,12 @@ for PUT.
   at once. 507 is "gateway full": a store is dropped and counted (``stats.full_stores``), not an outage.
 - ONE circuit breaker: when a call fails for want of the gateway (GatewayUnavailable) the gateway is considered
   down for ``down_cooldown_s`` and calls fail at once instead of waiting; a full store never opens it.
-- Integrity: a PUT carries the sha256 of its body; a GET of a whole object is verified against the ETag. A digest
-  mismatch or a short read is a miss (None) plus a logged error, never data handed to the engine.
+- Integrity: a PUT carries the checksum of its body (``X-KVGate-Checksum``: CRC64NVME by default, sha256 if the
+  config asks); a GET of a whole object is verified against the version's checksum (the header, or the ETag), a
+  range against the gateway's ``X-KVGate-Range-Checksum`` of exactly those bytes, and a 200 answer to a range request
+  (an intermediary that dropped the Range) as the whole object, before the range is sliced out of it. A mismatch, an
+  answer that carries nothing to check against, or a short read is a miss (None) plus a logged error, never data
+  handed to the engine.
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import hashlib
 import json
 import logging
 import random
@@ -35,21 +38,29 @@ from typing import Any, TypeVar
 import aiohttp
 
 from connector.budget import ByteBudget
+from connector.checksums import checksum_off_loop
 from connector.client_tls import client_ssl_context, tls_failure
 from connector.errors import ConnectorError as ConnectorError
 from connector.errors import GatewayRejected as GatewayRejected
 from connector.errors import GatewayTLSError as GatewayTLSError
 from connector.errors import GatewayUnavailable as GatewayUnavailable
 from contract import wire
-from contract.wire import BLOCK_META_HEADER, DIGEST_HEADER, PART_DIGEST_HEADER, RANGE_DIGEST_HEADER
+from contract.wire import (
+    BLOCK_META_HEADER,
+    CHECKSUM_HEADER,
+    CRC64NVME,
+    PART_CHECKSUM_HEADER,
+    RANGE_CHECKSUM_HEADER,
+    RANGE_DIGEST_HEADER,
+    SHA256,
+    Checksum,
+    WireError,
+)
 from contract.wire import retry_after_s as retry_after_s
 
 log = logging.getLogger("kvgate.connector.client")
 T = TypeVar("T")
 Buffer = bytes | bytearray | memoryview
-
-_HASH_IN_THREAD_BYTES = 256 * 1024
-"""Bodies above this are hashed in a worker thread (hashlib releases the GIL), off the event loop."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +84,8 @@ class ClientConfig:
     key_file: str | None = None
     check_tls_on_start: bool = True
     """With an https URL: one GET /healthz at construction, so a certificate error fails there, loudly."""
+    checksum: str = CRC64NVME
+    """The checksum sent with every store (``crc64nvme`` or ``sha256``), which the gateway verifies and records."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,10 +111,6 @@ class ClientStats:
     corrupt_reads: int = 0
     retries: int = 0
     extra: dict[str, int] = field(default_factory=dict)
-
-
-def sha256_hex(data: Buffer) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 RETRY_STATUSES = frozenset({502, 503, 504})
@@ -234,7 +243,7 @@ class BlockClient:
             wait = None
             try:
                 async with self._session.request(method, path, **kw) as resp:
-                    body = await resp.read() if method != "HEAD" else b""
+                    body = await _read_body(resp) if method != "HEAD" else b""
                     if resp.status in RETRY_STATUSES:
                         last = f"{resp.status} {body[:200]!r}"
                         asked = wire.retry_after_s(resp.headers.get("Retry-After"))
@@ -285,11 +294,6 @@ class BlockClient:
                 raise GatewayTLSError(f"TLS to the gateway {self.config.base_url} failed: {tls}") from exc
             log.warning("gateway %s not reachable at start-up (TLS not checked yet): %s", self.config.base_url, exc)
 
-    async def _digest(self, data: Buffer) -> str:
-        if len(data) >= _HASH_IN_THREAD_BYTES:
-            return await asyncio.to_thread(sha256_hex, data)
-        return sha256_hex(data)
-
     async def put(
         self,
         key: str,
@@ -302,17 +306,17 @@ class BlockClient:
         """Store ``data`` under ``key`` (or the part ``[start, end)`` of ``total`` bytes); True once the gateway has it.
 
         False when the gateway is full (507): the store is dropped and counted in ``stats.full_stores``, the
-        gateway is not down. The sha256 is computed here, after the caller's copy fence, and sent for the gateway
+        gateway is not down. The checksum is computed here, after the caller's copy fence, and sent for the gateway
         to verify. ``meta``: the block's ``X-KVGate-Block-Meta`` (``wire.format_block_meta``), for the KV events.
         """
-        digest = await self._digest(data)
+        checksum = await checksum_off_loop(data, self.config.checksum)
         headers = {"Content-Type": "application/octet-stream"}
         if content_range is None:
-            headers[DIGEST_HEADER] = digest
+            headers[CHECKSUM_HEADER] = checksum.header
         else:
             start, end, total = content_range
             headers["Content-Range"] = wire.format_content_range(start=start, end=end, total=total)
-            headers[PART_DIGEST_HEADER] = digest
+            headers[PART_CHECKSUM_HEADER] = checksum.header
         if create_only:
             headers["If-None-Match"] = "*"
         if meta is not None:
@@ -333,10 +337,13 @@ class BlockClient:
     async def get(
         self, key: str, *, byte_range: tuple[int, int] | None = None, expected_digest: str | None = None
     ) -> bytes | None:
-        """The object's bytes (or ``[start, end)`` of them); None on a miss, a short read or a digest mismatch.
+        """The object's bytes (or ``[start, end)`` of them); None on a miss, a short read or a checksum mismatch.
 
-        A whole-object read is verified against ``expected_digest`` or, failing that, the ETag; a range read against
-        the gateway's X-KVGate-Range-SHA256 (sent once it checked the whole object at rest).
+        Every byte returned was checked: a whole object against ``expected_digest`` (a checksum token, e.g. from a
+        lookup) or, failing that, the version's checksum the gateway sends (``X-KVGate-Checksum``, else the ETag); a
+        206 against the gateway's ``X-KVGate-Range-Checksum`` of exactly the range (or an earlier gateway's
+        ``X-KVGate-Range-SHA256``); a 200 answer to a range request as the whole object, then sliced. An answer with
+        nothing to check against is refused.
         """
         headers = {}
         if byte_range is not None:
@@ -347,26 +354,17 @@ class BlockClient:
             return None
         if status not in (200, 206):
             raise GatewayRejected(status, body[:300].decode(errors="replace"))
-        want = byte_range[1] - byte_range[0] if byte_range is not None else None
-        whole = status == 200
-        if whole and byte_range is not None:  # a server that ignored Range: take our slice of the whole object
-            body = body[byte_range[0] : byte_range[1]] if len(body) >= byte_range[1] else b""
-        if want is not None and len(body) != want:
-            self._corrupt(key, f"short read: {len(body)} of {want} bytes")
+        if status == 206:
+            why = await _check_range(resp_headers, body, byte_range)
+        else:
+            why = await _check_whole(resp_headers, body, expected_digest)
+            if why is None and byte_range is not None:  # an intermediary dropped the Range: our slice of the whole
+                start, end = byte_range
+                why = None if len(body) >= end else f"short read: {len(body)} bytes, the range ends at {end}"
+                body = body[start:end]
+        if why is not None:
+            self._corrupt(key, why)
             return None
-        range_digest = resp_headers.get(RANGE_DIGEST_HEADER) if status == 206 else None
-        if range_digest is not None:  # the gateway checked the whole object and vouches for this range
-            actual = await self._digest(body)
-            if actual != range_digest.lower():
-                self._corrupt(key, f"range sha256 {actual} is not the gateway's {range_digest}")
-                return None
-        elif byte_range is None or (byte_range[0] == 0 and whole):
-            expected = expected_digest or wire.unquote_etag(resp_headers.get("ETag"))
-            if expected is not None:
-                actual = await self._digest(body)
-                if actual != expected:
-                    self._corrupt(key, f"sha256 {actual} is not the ETag's {expected}")
-                    return None
         self.stats.gets += 1
         self.stats.get_bytes += len(body)
         return bytes(body)
@@ -405,3 +403,63 @@ class BlockClient:
         status, (_, body) = await self._request("PUT", f"/v1/namespaces/{namespace}/config", json=fields)
         if status >= 300:
             raise GatewayRejected(status, body[:300].decode(errors="replace"))
+
+
+async def _read_body(resp: aiohttp.ClientResponse) -> bytes:
+    """The response's body, joined once: ``resp.read()`` joins what arrived between reads, then joins those again
+    (two copies of a 2 MiB block, each a fresh allocation whose pages fault in)."""
+    pieces = [data async for data, _ in resp.content.iter_chunks()]
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
+def _answer_checksum(headers: Any, name: str) -> Checksum | None:
+    """The checksum a response header carries (``<algorithm>=<base64>``); None when absent or not kvgate's grammar."""
+    value = headers.get(name)
+    if value is None:
+        return None
+    try:
+        return wire.parse_checksum(value, header=name)
+    except WireError:
+        return None
+
+
+async def _mismatch(body: bytes, want: Checksum) -> str | None:
+    got = await checksum_off_loop(body, want.algorithm)
+    return None if got == want else f"{want.algorithm} {got.hex} is not the gateway's {want.hex}"
+
+
+async def _check_whole(headers: Any, body: bytes, expected: str | None) -> str | None:
+    """Why a 200's body is not the version it says it is (None: it is)."""
+    want: Checksum | None
+    if expected is not None:
+        try:
+            want = wire.parse_checksum_token(expected.lower())
+        except ValueError:
+            return f"cannot check against {expected[:80]!r}"
+    else:
+        want = _answer_checksum(headers, CHECKSUM_HEADER) or wire.etag_checksum(headers.get("ETag"))
+    if want is None:
+        return "the answer carries no checksum to check the body against"
+    return await _mismatch(body, want)
+
+
+async def _check_range(headers: Any, body: bytes, byte_range: tuple[int, int] | None) -> str | None:
+    """Why a 206's body is not the range asked for, vouched for by the gateway (None: it is)."""
+    if byte_range is None:
+        return "a 206 answer to a request for the whole object"
+    start, end = byte_range
+    try:
+        span = wire.parse_content_range(headers.get("Content-Range", ""))
+    except WireError:
+        return "a 206 answer without a valid Content-Range"
+    if (span.start, span.end) != (start, end) or len(body) != end - start:
+        return f"asked for bytes {start}-{end - 1}, got {span.start}-{span.end - 1} ({len(body)} bytes)"
+    want = _answer_checksum(headers, RANGE_CHECKSUM_HEADER)
+    if want is None and (legacy := headers.get(RANGE_DIGEST_HEADER)) is not None:  # an earlier gateway
+        try:
+            want = Checksum(SHA256, legacy.lower())
+        except ValueError:
+            return f"{RANGE_DIGEST_HEADER} is not a sha256"
+    if want is None:
+        return "the gateway sent no checksum of the range: it cannot be verified"
+    return await _mismatch(body, want)

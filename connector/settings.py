@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Self
 
 from connector.client import ClientConfig
+from contract.wire import ALGORITHMS, CRC64NVME
 
 MIB = 1024 * 1024
 
@@ -53,6 +54,11 @@ def _coerce(*, where: str, name: str, kind: Any, value: Any) -> Any:
     if not isinstance(value, str):
         raise SettingsError(f"{where} key {name!r} must be a string, not {value!r}")
     return value
+
+
+def _check_algorithm(where: str, value: str) -> None:
+    if value not in ALGORITHMS:
+        raise SettingsError(f"{where} key 'checksum' must be one of {', '.join(map(repr, ALGORITHMS))}, not {value!r}")
 
 
 class _Parsed:
@@ -108,10 +114,15 @@ class ConnectorSettings(_Parsed):
     ca_file: str | None = None
     cert_file: str | None = None
     key_file: str | None = None
+    checksum: str = CRC64NVME
+
+    def __post_init__(self) -> None:
+        _check_algorithm(self.WHERE, self.checksum)
 
     def client_config(self) -> ClientConfig:
         return ClientConfig(
             base_url=self.url,
+            checksum=self.checksum,
             max_connections=self.max_connections,
             request_timeout_s=self.timeout_s,
             lookup_timeout_s=self.lookup_timeout_s,
@@ -143,10 +154,15 @@ class TierSettings(_Parsed):
     ca_file: str | None = None
     cert_file: str | None = None
     key_file: str | None = None
+    checksum: str = CRC64NVME
+
+    def __post_init__(self) -> None:
+        _check_algorithm(self.WHERE, self.checksum)
 
     def client_config(self) -> ClientConfig:
         return ClientConfig(
             base_url=self.url.rstrip("/"),
+            checksum=self.checksum,
             max_connections=self.max_connections,
             connect_timeout_s=self.connect_timeout_s,
             request_timeout_s=self.transfer_timeout_s,

@@ -12,7 +12,7 @@ Every method runs on the scheduler's thread and returns at once: lookups are ans
 ``on_schedule_end``); transfers run on the background loop of ``connector.client.BlockClient`` within its budget
 of bytes in flight. When the gateway is down or too slow the client opens its circuit for ``down_cooldown_s``:
 lookups answer MISS and jobs fail at once. A full gateway (507) is not down: the store is dropped and counted
-(``client.stats.full_stores``), lookups and loads go on. A load is verified against the sha256 ETag and copied into
+(``client.stats.full_stores``), lookups and loads go on. A load is verified against its checksum and copied into
 its slot only when whole and intact; a failed store is reported failed (vLLM drops it); a failed load reports the
 keys that did load.
 
@@ -385,7 +385,7 @@ class KVGateTier(SecondaryTierManager):  # type: ignore[misc]
         try:
             async with self._client.hold(self._row_bytes, timeout_s=self._transfer_timeout_s):
                 path = self.key_path(key)
-                # Verified against the sha256 ETag; None if missing, short or corrupt.
+                # Verified against the version's checksum; None if missing, short or corrupt.
                 data = await self._client.get(path)
                 if data is None:
                     return False

@@ -16,8 +16,8 @@ from connector.client import BlockClient, ClientConfig
 from connector.plan import BlockJob, KeyScheme, SchedulerPlanner
 from connector.transfer import BlockTransfer, KVLayout
 from contract.keys import KVGroup, RunNaming, naming
-from contract.wire import RANGE_DIGEST_HEADER
-from tests.conftest import sha
+from contract.wire import RANGE_CHECKSUM_HEADER
+from tests.conftest import crc_header
 from tests.gateway import Gateway, free_port
 
 LAYERS, HEADS, HEAD_SIZE, BLOCK = 4, 8, 128, 16
@@ -233,7 +233,7 @@ def test_corrupt_object_is_a_miss_for_range_readers(bc: BlockClient, gateway: Ga
         w.wait_uploads(60)
     nm = run_naming(tp=2, rank=0, dtype=dtype)
     intact = httpx.get(f"{gateway.url}/v1/blocks/{nm.block(hs[0])}", headers={"Range": "bytes=0-99"})
-    assert intact.status_code == 206 and intact.headers[RANGE_DIGEST_HEADER] == sha(intact.content)
+    assert intact.status_code == 206 and intact.headers[RANGE_CHECKSUM_HEADER] == crc_header(intact.content)
     path = gateway.data_dir / "blocks" / nm.block(hs[1])
     raw = bytearray(path.read_bytes())
     raw[len(raw) * 3 // 4] ^= 0x5A  # in rank 1's half: rank 0's range is intact, the object is not

@@ -7,7 +7,6 @@ every prompt's baseline comes from one process without a connector. Runs take mi
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sqlite3
 import subprocess
@@ -18,6 +17,7 @@ import httpx
 import numpy as np
 import pytest
 
+from tests.conftest import token_as
 from tests.engine.conftest import BLOCK, HERE, Engine, words
 from tests.gateway import Gateway
 
@@ -75,8 +75,11 @@ def fp32(engine: Engine, engine_gateway: Gateway, tmp_path_factory: pytest.TempP
             f.write_bytes(altered)
             if fix_index:
                 key = "/".join(f.parts[-4:])
-                digest = hashlib.sha256(altered).hexdigest()
-                updated = db.execute("UPDATE blocks SET digest = ? WHERE key = ?", (digest, key)).rowcount
+                (recorded,) = db.execute("SELECT digest FROM blocks WHERE key = ?", (key,)).fetchone()
+                digest = token_as(recorded, altered)  # the row's own algorithm (CRC64NVME from the connector)
+                updated = db.execute(
+                    "UPDATE blocks SET digest = ?, chunk_bytes = NULL, chunk_sums = NULL WHERE key = ?", (digest, key)
+                ).rowcount
                 assert updated == 1, key
     db.commit()
     db.close()

@@ -1,0 +1,129 @@
+"""The connector's CPU per GB stored and loaded: this tree's BlockClient (CRC64NVME) against the client of an earlier
+commit (sha256, the one before checksums changed), alternated in one run against one gateway.
+
+    .venv/bin/python -m benchmarks.connector_cpu [--base 68d541f] [--blocks 64] [--block-mib 2] [--rounds 5]
+
+Each round stores ``--blocks`` blocks with each client (PUT, concurrency 8), loads them whole (GET) and as two halves
+(Range GETs, as a TP=2 reader loads a canonical block), and reads the benchmark process's own CPU time around each
+phase (the client's event-loop thread and the threads it hashes on; the gateway is another process). Prints each
+phase's CPU per GB (median of the rounds, with the lowest and highest) and the ratio of the two clients, round by
+round. The earlier client is its own source at ``--base`` (``git show``), run beside this tree's other modules.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import types
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+from connector import client as this_client
+from tests.conftest import key_for
+from tests.gateway import REPO, Gateway
+
+BASE = "68d541f"
+"""main before CRC64NVME: its client sends and checks sha256."""
+
+
+def earlier_client(ref: str) -> types.ModuleType:
+    source = subprocess.run(
+        ["git", "show", f"{ref}:connector/client.py"], cwd=REPO, capture_output=True, check=True, text=True
+    ).stdout
+    module = types.ModuleType("connector._earlier_client")
+    sys.modules[module.__name__] = module  # dataclasses look their module up there
+    exec(compile(source, f"{ref}:connector/client.py", "exec"), module.__dict__)
+    return module
+
+
+def cpu_of(run: Callable[[], None]) -> tuple[float, float]:
+    """(user, system) CPU seconds of this process while ``run`` runs."""
+    before = os.times()
+    run()
+    after = os.times()
+    return after.user - before.user, after.system - before.system
+
+
+async def _all(coros: list[Coroutine[Any, Any, Any]], limit: int = 8) -> list[Any]:
+    sem = asyncio.Semaphore(limit)
+
+    async def one(c: Coroutine[Any, Any, Any]) -> Any:
+        async with sem:
+            return await c
+
+    return await asyncio.gather(*(one(c) for c in coros))
+
+
+def round_of(bc: Any, keys: list[str], blob: bytes) -> dict[str, float]:
+    """CPU seconds per GB of each phase for one client: user + system, and user alone."""
+    gb = len(keys) * len(blob) / 1e9
+    half = len(blob) // 2
+
+    def store() -> None:
+        assert all(bc.run(_all([bc.put(k, blob) for k in keys]), timeout_s=600))
+
+    def load() -> None:
+        got = bc.run(_all([bc.get(k) for k in keys]), timeout_s=600)
+        assert all(g == blob for g in got), "a load was refused or wrong"
+
+    def load_ranges() -> None:
+        ranges = [(0, half), (half, len(blob))]
+        got = bc.run(_all([bc.get(k, byte_range=r) for k in keys for r in ranges]), timeout_s=600)
+        assert all(g is not None for g in got), "a range load was refused"
+
+    out: dict[str, float] = {}
+    for name, run in (("store", store), ("load", load), ("load (2 ranges)", load_ranges)):
+        user, system = cpu_of(run)
+        out[name] = (user + system) / gb
+        out[f"{name}, user"] = user / gb
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", default=BASE, help="the commit whose client is the baseline")
+    ap.add_argument("--blocks", type=int, default=64)
+    ap.add_argument("--block-mib", type=float, default=2.0)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    earlier = earlier_client(args.base)
+    blob = os.urandom(int(args.block_mib * 1024 * 1024))
+    with tempfile.TemporaryDirectory() as tmp:
+        gw = Gateway(Path(tmp) / "data", env={"KVGATE_BACKEND__FSYNC": "false"}).start()
+        try:
+            clients = {
+                "before": earlier.BlockClient(earlier.ClientConfig(base_url=gw.url, max_connections=8)),
+                "after": this_client.BlockClient(this_client.ClientConfig(base_url=gw.url, max_connections=8)),
+            }
+            figures: dict[str, list[dict[str, float]]] = {name: [] for name in clients}
+            for r in range(args.rounds):
+                for name, bc in clients.items():
+                    keys = [key_for(10_000 * r + i + (0 if name == "before" else 5_000)) for i in range(args.blocks)]
+                    figures[name].append(round_of(bc, keys, blob))
+                print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
+            for bc in clients.values():
+                bc.close()
+        finally:
+            gw.stop()
+    print(f"connector CPU per GB ({args.blocks} x {args.block_mib:g} MiB blocks, {args.rounds} rounds; load average")
+    print(f"{os.getloadavg()[0]:.1f}); before = client of {args.base} (sha256), after = this tree (crc64nvme)")
+    print(f"{'phase':<18} {'before s/GB':>22} {'after s/GB':>22} {'after/before':>22}")
+    for phase in figures["before"][0]:
+        b = [f[phase] for f in figures["before"]]
+        a = [f[phase] for f in figures["after"]]
+        ratio = [x / y for x, y in zip(a, b, strict=True)]
+
+        def cell(v: list[float], fmt: str = ".3f") -> str:
+            return f"{statistics.median(v):{fmt}} ({min(v):{fmt}}-{max(v):{fmt}})"
+
+        print(f"{phase:<18} {cell(b):>22} {cell(a):>22} {cell(ratio, '.2f'):>22}")
+
+
+if __name__ == "__main__":
+    main()

@@ -184,6 +184,11 @@ def parents_first(events: Sequence[T]) -> list[T]:
             blocked[event.key] = parent
             bucket.setdefault(parent, []).append((i, event))
             continue
+        behind = blocked.get(parent) if parent is not None and parent != event.key else None
+        if behind is not None and behind != event.key:  # (its own key: a cycle, out in order)
+            blocked[event.key] = behind  # its parent's store waits further on: it goes right after it
+            bucket[behind].append((i, event))
+            continue
         emit(i, event)
     rest = sorted((item for items in bucket.values() for item in items), key=lambda item: item[0])
     out.extend(e for _, e in rest)

@@ -94,6 +94,15 @@ def test_parents_first_in_a_batch() -> None:
     assert parents_first([a, b]) == [b, a]  # a cycle: one of them first, each key in order
 
 
+def test_parents_first_a_child_of_a_moved_parent_moves_with_it() -> None:
+    """The parent's store moves after another store of its own parent later in the batch: its child, after the
+    parent's store in the batch as given, moves with it (it came out first, before the parent's)."""
+    g1, g2 = Ev("g", n=0), Ev("g", n=3)
+    p = Ev("p", parent_key="g", n=1)
+    c = Ev("c", parent_key="p", n=2)
+    assert parents_first([g1, p, c, g2]) == [g1, g2, p, c]
+
+
 @pytest.mark.parametrize("seed", range(200))
 def test_random_puts_keep_every_event_each_key_in_order_parents_first(seed: int) -> None:
     """Random chains of PUTs that begin, commit and end in a random interleaving: every event comes out once, each

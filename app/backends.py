@@ -41,6 +41,7 @@ async def open_backends(settings: Settings) -> AsyncIterator[Backends]:
                 sqlite_mmap_bytes=settings.sqlite_mmap_bytes,
             ),
             flush_interval_s=settings.access_flush_interval_s,
+            events=settings.events_enabled,  # every change adds its event-log row, whoever makes it
         )
         await index.start()
         try:

@@ -213,13 +213,17 @@ class Settings(BaseSettings):
     )
 
     events_enabled: bool = Field(
-        default=False, description="publish KV events of committed changes (ZMQ in vLLM's format, GET /v1/events)"
+        default=False,
+        description="publish KV events of committed changes (ZMQ in vLLM's format, GET /v1/events); the same for "
+        "every process of a deployment (gateways, replicas, kvgate gc, kvgate import: each logs its own changes)",
     )
     events_endpoint: str | None = Field(
-        default="tcp://127.0.0.1:5557", description="ZMQ PUB address to bind; empty: GET /v1/events only"
+        default="tcp://127.0.0.1:5557",
+        description="ZMQ PUB address, bound by the one process that publishes; empty: GET /v1/events only",
     )
     events_replay_endpoint: str | None = Field(
-        default="tcp://127.0.0.1:5558", description="ZMQ ROUTER address for replays of missed batches; empty: none"
+        default="tcp://127.0.0.1:5558",
+        description="ZMQ ROUTER address for replays of missed batches, bound by the publisher; empty: none",
     )
     events_medium: str = Field(
         default="STORAGE", description="the events' `medium`: STORAGE is what vLLM's storage tiers publish"
@@ -244,7 +248,19 @@ class Settings(BaseSettings):
     events_int_hashes: bool = Field(
         default=True, description="block hashes as vLLM's default: low 64 bits as an int (False: the hash's bytes)"
     )
-    events_buffer: int = Field(default=10_000, gt=0, description="batches kept for replays")
+    events_buffer: int = Field(
+        default=10_000, gt=0, description="batches kept in the index for replays (the event log is trimmed to them)"
+    )
+    events_poll_s: float = Field(
+        default=0.05,
+        gt=0,
+        description="how often the publisher and event streams look for changes committed by other processes",
+    )
+    events_hold_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="longest a child block's event waits for its parent's when the parent's writer died mid-PUT",
+    )
 
     @property
     def tls_enabled(self) -> bool:

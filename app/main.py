@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI
 
@@ -29,11 +29,10 @@ from app.api.server.supervisor import Supervisor, bind_sockets
 from app.backends import Backends, open_backends
 from app.config import Settings
 from app.core.assembly import open_core
-from app.core.events import NO_EVENTS, EventBus
+from app.core.events import NO_EVENTS
+from app.core.events_feed import EventFeed
+from app.core.events_setup import event_writer, open_events
 from app.core.reconcile import reconcile
-
-if TYPE_CHECKING:
-    from app.core.events_zmq import ZmqPublisher
 
 log = logging.getLogger("kvgate")
 
@@ -122,83 +121,44 @@ def _app(cfg: Settings, *, principals: Principals | None) -> FastAPI:
 @contextlib.asynccontextmanager
 async def _serving(app: FastAPI, *, cfg: Settings, backends: Backends) -> AsyncIterator[None]:
     """The core over the opened backends, with events, reconcile and capacity; closed in reverse."""
-    bus, publisher = await _start_events(cfg, backends)
-    app.state.events = bus
-    try:
-        async with open_core(backends, settings=cfg, events=bus if bus is not None else NO_EVENTS) as core:
-            if cfg.reconcile_on_start:
-                await reconcile(
-                    upkeep=core.upkeep,
-                    store=core.store,
-                    index=core.index,
-                    concurrency=cfg.reconcile_concurrency,
-                    stale_parts_s=cfg.stale_upload_s,
-                )
-            await core.capacity.start()
-            app.state.core = core
-            app.state.started_at = time.monotonic()
-            # Everything built so far (modules, FastAPI's routes and models, SQLAlchemy's tables, botocore's service
-            # model) lives as long as the process. Frozen out of the collector's reach, it is no longer walked by a
-            # full collection, during which the event loop stands still: 78 ms -> 0.3 ms fresh, 101 -> 14 ms with
-            # the metadata cache full (python -m benchmarks.gc_pause). Full collections are rare in steady state
-            # but come with bursts of new long-lived objects, such as a filling cache.
-            gc.collect()  # start-up's own cyclic garbage is collected, not frozen with the rest
-            gc.freeze()
-            log.info("kvgate ready backend=%s index=%s", cfg.backend.kind, cfg.resolved_db_url.split("://")[0])
-            try:
-                yield
-            finally:
-                gc.unfreeze()  # back to the oldest generation: an app started again in this process freezes anew
-    finally:
-        if bus is not None:
-            await bus.close()
-        if publisher is not None:
-            await publisher.close()
-
-
-async def _start_events(cfg: Settings, backends: Backends) -> tuple[EventBus | None, ZmqPublisher | None]:
-    """The event bus and its ZMQ publisher, when events are on (before reconcile: what it changes is published)."""
-    if not cfg.events_enabled:
-        return None, None
-    bus = EventBus(buffer=cfg.events_buffer)
-    publisher = None
-    if cfg.events_endpoint:
-        from app.core.events_wire import EventCodec, ModelNames, Topics, WireFormat
-        from app.core.events_zmq import ZmqPublisher
-
-        index = backends.index
-
-        async def model_name(namespace: str) -> str | None:
-            record = await index.get_namespace(namespace)
-            name = record.fields.get("model_name") if record is not None else None
-            return name if isinstance(name, str) else None
-
-        codec = EventCodec(
-            WireFormat(
-                medium=cfg.events_medium or None,
-                locality=cfg.events_locality or None,
-                ownership=cfg.events_ownership or None,
-                int_hashes=cfg.events_int_hashes,
-                encoding=cfg.events_encoding,
+    writer = await event_writer(cfg, index=backends.index)
+    app.state.events = None
+    async with (
+        open_core(backends, settings=cfg, events=writer if writer is not None else NO_EVENTS) as core,
+        contextlib.AsyncExitStack() as stack,
+    ):
+        if cfg.reconcile_on_start:
+            await reconcile(
+                upkeep=core.upkeep,
+                store=core.store,
+                index=core.index,
+                concurrency=cfg.reconcile_concurrency,
+                stale_parts_s=cfg.stale_upload_s,
             )
-        )
-        publisher = ZmqPublisher(
-            endpoint=cfg.events_endpoint,
-            replay_endpoint=cfg.events_replay_endpoint or None,
-            codec=codec,
-            buffer=cfg.events_buffer,
-        )
-        publisher.start()
-        bus.codec = codec
-        bus.topics = Topics(cfg.events_topic, name=cfg.events_pool_name)
-        bus.models = ModelNames(model_name)
-        bus.sinks.append(publisher)
-        log.info("kv events: pub=%s replay=%s", publisher.endpoint, publisher.replay_endpoint)
-    _end_streams_on_exit(bus)
-    return bus, publisher
+        await core.capacity.start()
+        if writer is not None:
+            events = await stack.enter_async_context(
+                open_events(cfg, writer=writer, index=core.index, coordinator=core.coordinator)
+            )
+            app.state.events = events.feed
+            _end_streams_on_exit(events.feed)
+        app.state.core = core
+        app.state.started_at = time.monotonic()
+        # Everything built so far (modules, FastAPI's routes and models, SQLAlchemy's tables, botocore's service
+        # model) lives as long as the process. Frozen out of the collector's reach, it is no longer walked by a
+        # full collection, during which the event loop stands still: 78 ms -> 0.3 ms fresh, 101 -> 14 ms with
+        # the metadata cache full (python -m benchmarks.gc_pause). Full collections are rare in steady state
+        # but come with bursts of new long-lived objects, such as a filling cache.
+        gc.collect()  # start-up's own cyclic garbage is collected, not frozen with the rest
+        gc.freeze()
+        log.info("kvgate ready backend=%s index=%s", cfg.backend.kind, cfg.resolved_db_url.split("://")[0])
+        try:
+            yield
+        finally:
+            gc.unfreeze()  # back to the oldest generation: an app started again in this process freezes anew
 
 
-def _end_streams_on_exit(bus: EventBus) -> None:
+def _end_streams_on_exit(feed: EventFeed) -> None:
     """uvicorn waits for open responses before it stops: end the event streams when it is told to stop."""
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -207,7 +167,7 @@ def _end_streams_on_exit(bus: EventBus) -> None:
             continue
 
         def handler(signum: int, frame: FrameType | None, previous: Callable[..., Any] = previous) -> None:
-            loop.call_soon_threadsafe(bus.end_streams)
+            loop.call_soon_threadsafe(feed.end_streams)
             previous(signum, frame)
 
         with contextlib.suppress(ValueError):  # not the main thread (an in-process test client): nothing to chain

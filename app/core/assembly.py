@@ -13,7 +13,7 @@ import anyio.to_thread
 from app.backends import Backends
 from app.config import Settings
 from app.core.capacity import Capacity
-from app.core.coordination import open_coordinator
+from app.core.coordination import Coordinator, open_coordinator
 from app.core.events import NO_EVENTS, EventSink
 from app.core.keystate import KeyLocks, MetaCache
 from app.core.parts import PartAssembler
@@ -34,6 +34,8 @@ class Core:
     upkeep: Upkeep
     capacity: Capacity
     service: BlockService
+    coordinator: Coordinator
+    """The data directory's coordination file (key locks, cache epochs, the named exclusive locks)."""
 
 
 @contextlib.asynccontextmanager
@@ -65,6 +67,7 @@ async def open_core(
                 upkeep=upkeep,
                 capacity=capacity,
                 service=service,
+                coordinator=coordinator,
             )
         finally:
             await capacity.close()

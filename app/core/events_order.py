@@ -14,14 +14,21 @@ first. Two steps put the parent first without ever delaying a request:
 - :func:`parents_first` reorders one batch (stable) so that a child's events come after its parent's store when
   both are in it.
 
-Both work on anything with ``key``, ``kind`` and ``parent_key`` (a table-backed publisher can reuse them on rows).
+Both work on anything with ``key``, ``kind`` and ``parent_key``. With the event log (app/index/eventlog.py) the hold
+is split in two: the process that commits a child's row knows whether a PUT of its parent is in progress there and
+has not queued its change (:class:`Brackets`), and names those PUTs in the row (a token each); each such PUT ends
+with a row of its key, after the child's, that carries its token (its store, or a release row if it stored nothing).
+The publisher, reading the log in any process, runs :class:`ParentFirst` with "a PUT of the parent in progress"
+standing for "a token some row waits for, not seen yet".
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 log = logging.getLogger("kvgate.events")
@@ -66,6 +73,14 @@ class ParentFirst(Generic[E]):
     def begin(self, key: str) -> None:
         """A PUT of ``key`` started."""
         self._writing[key] += 1
+
+    def in_progress(self, key: str) -> bool:
+        """A PUT of ``key`` has begun and not ended."""
+        return key in self._writing
+
+    def held_events(self) -> list[E]:
+        """Every event held now, each key's in order."""
+        return [e for events in self._held.values() for e in events]
 
     def end(self, key: str) -> list[E]:
         """A PUT of ``key`` ended (committed or not): the events that may go now, in order."""
@@ -193,3 +208,49 @@ def parents_first(events: Sequence[T]) -> list[T]:
     rest = sorted((item for items in bucket.values() for item in items), key=lambda item: item[0])
     out.extend(e for _, e in rest)
     return out
+
+
+@dataclass(eq=False)
+class Bracket:
+    """One PUT of ``key`` in progress in this process."""
+
+    key: str
+    submitted: bool = False
+    """Its change's transaction is queued (its row, if any, comes after every row queued before)."""
+    wrote: bool = False
+    """It committed a row of its key."""
+    token: int | None = None
+    """Set when a child's row first waits for it: its rows (a store or a release) carry it."""
+
+
+@dataclass
+class Brackets:
+    """The PUTs in progress in this process, for the event-log row of a child: the PUTs of its parent in progress here
+    that have not queued their transaction; each one's row (its store, or, if it writes none, the release row
+    written when it ends) comes after the child's in the log, with its token."""
+
+    _open: dict[str, list[Bracket]] = field(default_factory=dict)
+
+    def begin(self, key: str) -> Bracket:
+        bracket = Bracket(key)
+        self._open.setdefault(key, []).append(bracket)
+        return bracket
+
+    def end(self, bracket: Bracket) -> int | None:
+        """The PUT ended; its token if children's rows wait for a row of it that it did not write (a release row is
+        due)."""
+        brackets = self._open.get(bracket.key)
+        if brackets is not None:
+            brackets.remove(bracket)
+            if not brackets:
+                del self._open[bracket.key]
+        return bracket.token if not bracket.wrote else None
+
+    def hold_for(self, parent: str) -> tuple[int, ...]:
+        """A child of ``parent`` is committing: the tokens of the PUTs of the parent in progress here that have not
+        queued their transaction yet (its row waits for them); each one now owes a row of its key."""
+        pending = [b for b in self._open.get(parent, ()) if not b.submitted]
+        for b in pending:
+            if b.token is None:
+                b.token = secrets.randbits(62)
+        return tuple(b.token for b in pending if b.token is not None)

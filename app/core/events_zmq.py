@@ -1,11 +1,13 @@
 """KV events on ZMQ, as vLLM publishes them (vllm/distributed/kv_events.py, vLLM 0.33): a PUB socket sending
 ``(topic, seq as 8 bytes big-endian, msgpack KVEventBatch)`` and a ROUTER replay socket: a subscriber's REQ or
-DEALER socket sends a start sequence number (8 bytes big-endian) and gets every batch still held from that number
+DEALER socket sends a start sequence number (8 bytes big-endian) and gets every batch still kept from that number
 on, each as ``(topic, seq, payload)``, then the end marker ``(b"", -1 as 8 bytes, b"")``.
 
-The payload is the batch of events the bus encoded one by one (app/core/events_wire.py); each batch has its topic
-(``kv@pool:{name}@{model}`` by default: one model's events). Both sockets live on the event loop: a PUB send never
-blocks (past its high-water mark ZMQ drops, as vLLM's publisher does), and replays are served by one task.
+The payload is the batch of events encoded one by one (app/core/events_wire.py); each batch has its topic
+(``kv@pool:{name}@{model}`` by default: one model's events). Only the publisher (app/core/events_publisher.py)
+binds them. Replays read the stored batches (app/core/events_feed.py), so they reach back past a restart or a
+failover. Both sockets live on the event loop: a PUB send never blocks (past its high-water mark ZMQ drops, as
+vLLM's publisher does), and replays are served by one task.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import deque
+from collections.abc import AsyncIterator, Callable
 
 import zmq
 import zmq.asyncio
@@ -26,8 +28,19 @@ log = logging.getLogger("kvgate.events")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
+Replays = Callable[[int], AsyncIterator[Batch]]
+"""The batches kept from a number on (EventFeed.replay)."""
+
+
+async def _none(first: int) -> AsyncIterator[Batch]:
+    none: tuple[Batch, ...] = ()
+    for batch in none:
+        yield batch
+
+
 class ZmqPublisher:
-    """A BatchSink: each batch assembled once from its encoded events, sent on the PUB socket, kept for replays."""
+    """A BatchSink: each batch assembled from its encoded events and sent on the PUB socket; replays from
+    ``replays`` (the ``buffer`` batches kept)."""
 
     def __init__(
         self,
@@ -35,6 +48,7 @@ class ZmqPublisher:
         endpoint: str,
         replay_endpoint: str | None,
         codec: EventCodec,
+        replays: Replays = _none,
         buffer: int = 10_000,
         hwm: int = 100_000,
     ) -> None:
@@ -42,7 +56,7 @@ class ZmqPublisher:
         self._sync = zmq.Context()
         """The PUB socket is a plain one: its sends never block and have no future to wait for."""
         self.codec = codec
-        self._ring: deque[tuple[int, bytes, bytes]] = deque(maxlen=buffer)
+        self._replays = replays
         self._pub: zmq.Socket[bytes] = self._sync.socket(zmq.PUB)
         self._pub.set_hwm(hwm)
         self._replay: zmq.asyncio.Socket | None = None
@@ -66,7 +80,6 @@ class ZmqPublisher:
     def send(self, batch: Batch) -> None:
         payload = self.codec.batch(ts=batch.ts, events=[e.wire for e in batch.events])
         topic = batch.topic.encode()
-        self._ring.append((batch.seq, topic, payload))
         with contextlib.suppress(zmq.Again):  # PUB drops past its high-water mark; replays fill the gap
             self._pub.send_multipart((topic, batch.seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
 
@@ -82,12 +95,16 @@ class ZmqPublisher:
             client, _, start = frames
             first = int.from_bytes(start, "big")
             try:
-                for seq, topic, payload in list(self._ring):
-                    if seq >= first:
-                        await sock.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
+                async for batch in self._replays(first):
+                    payload = self.codec.batch(ts=batch.ts, events=[e.wire for e in batch.events])
+                    await sock.send_multipart(
+                        (client, b"", batch.topic.encode(), batch.seq.to_bytes(8, "big"), payload)
+                    )
                 await sock.send_multipart((client, b"", b"", END_SEQ, b""))
             except zmq.ZMQError as exc:  # the subscriber went away: serve the next one
                 log.warning("replay failed: %s", exc)
+            except Exception as exc:  # the index is out: no end marker, the subscriber resyncs
+                log.warning("replay failed: %s: %s", type(exc).__name__, exc)
 
     def _close_sockets(self) -> None:
         self._pub.close(linger=0)

@@ -110,7 +110,7 @@ class BlockService:
         digest: str | None,
         create_only: bool,
     ) -> PutResult:
-        with self._events.writing(key.path):  # its children's events wait for it (app/core/events_order.py)
+        async with self._events.writing(key.path):  # its children's events wait for it (app/core/events_order.py)
             return await self._put(key, body, size=size, digest=digest, create_only=create_only)
 
     async def _put(
@@ -156,7 +156,7 @@ class BlockService:
             raise PreconditionFailed(f"{key.path!r} is present (If-None-Match: *)")
         await self._admission.admit(namespace=key.namespace, size=span.size, replacing=0, whole=span.total)
         try:
-            with self._events.writing(key.path):
+            async with self._events.writing(key.path):
                 return await self._parts.put_part(key, body, span=span, part_digest=part_digest)
         finally:
             self._admission.release(namespace=key.namespace, size=span.size)

@@ -226,7 +226,7 @@ class Change:
             raise BackendUnavailable(f"{key.path!r}: staged {STAGED_MAX_AGE_S:.0f}+ s ago, too long to commit")
         record = row_for(key, staged.meta, stamp=staged.stamp, created_at=time.time())
         try:
-            swap = await v.index.swap_block(record, expect=expect)
+            swap = await v.index.swap_block(record, expect=expect, note=v._events.note(key.path))
         except BaseException:
             await v.discard(staged)
             raise
@@ -247,7 +247,7 @@ class Change:
         on disk when the row's own is gone), if the row is what ``expect`` says."""
         v = self._v
         record = row_for(key, stored, stamp=stored.stamp, created_at=time.time() if created_at is None else created_at)
-        swap = await v.index.swap_block(record, expect=expect)
+        swap = await v.index.swap_block(record, expect=expect, note=v._events.note(key.path))
         if not swap.written:
             return Committed(meta=meta_of(swap.old) if swap.old else meta_of(record), old=swap.old, written=False)
         if swap.old is None or (swap.old.digest, swap.old.size) != (record.digest, record.size):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Float, Index, Integer, LargeBinary, MetaData, String, Text
+from sqlalchemy import BigInteger, Float, Index, Integer, LargeBinary, MetaData, SmallInteger, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 NAMING = {
@@ -82,3 +82,60 @@ class Usage(Base):
     slot: Mapped[int] = mapped_column(Integer, primary_key=True, default=0)
     blocks: Mapped[int] = mapped_column(BigInteger)
     bytes: Mapped[int] = mapped_column(BigInteger)
+
+
+class EventLogRow(Base):
+    """One committed change of a block, written in the change's own transaction (app/index/eventlog.py), while KV
+    events are on: whoever commits it (a gateway, a replica, ``kvgate gc``, ``kvgate import``, reconcile)."""
+
+    __tablename__ = "event_log"
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    """Never reused (SQLite AUTOINCREMENT, a PostgreSQL sequence): the log's order."""
+    kind: Mapped[int] = mapped_column(SmallInteger)
+    """0 stored, 1 removed, 2 release (a PUT of this key ended without a store: its children wait no more)."""
+    key: Mapped[str] = mapped_column(String(512))
+    size: Mapped[int] = mapped_column(BigInteger)
+    digest: Mapped[str] = mapped_column(String(80))
+    tokens: Mapped[str | None] = mapped_column(Text, nullable=True)
+    """The writer's token ids, comma-separated (NULL: the writer sent no block meta)."""
+    parent: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    """The parent block's hash, hex, as the writer sent it."""
+    waits_for: Mapped[str | None] = mapped_column(Text, nullable=True)
+    """The tokens of the PUTs of the parent that were in progress in the committing process and had not queued their
+    change, comma-separated: each owes a row of the parent's key after this one (its store, or a release row), and
+    this row is published after them."""
+    token: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    """The token of the PUT that wrote this row, when rows of children wait for it."""
+
+    __table_args__ = {"sqlite_autoincrement": True}
+
+
+class EventBatchRow(Base):
+    """A published batch: its sequence number, the log rows it holds in their order, and its topic."""
+
+    __tablename__ = "event_batches"
+
+    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    ts: Mapped[float] = mapped_column(Float)
+    topic: Mapped[str] = mapped_column(String(1024))
+    ids: Mapped[str] = mapped_column(Text)
+    """The log rows' ids, comma-separated, in the batch's order."""
+    low: Mapped[int] = mapped_column(BigInteger)
+    """The smallest of them (the log is trimmed below the oldest batch kept)."""
+
+
+class EventState(Base):
+    """Where the publisher stands: the next sequence number, the last log row it covered, the rows it holds for
+    their parents, and the term of the publisher that wrote it (a publisher that lost its turn cannot write)."""
+
+    __tablename__ = "event_state"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    term: Mapped[int] = mapped_column(BigInteger)
+    next_seq: Mapped[int] = mapped_column(BigInteger)
+    last_id: Mapped[int] = mapped_column(BigInteger)
+    held: Mapped[str] = mapped_column(Text, default="")
+    """The ids of the rows held, comma-separated."""
+    waiting: Mapped[str] = mapped_column(Text, default="{}")
+    """JSON: the token of each PUT that held rows still wait for -> its key."""

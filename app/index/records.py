@@ -51,6 +51,22 @@ class Swap:
 
 
 @dataclass(frozen=True, slots=True)
+class LogNote:
+    """What a change's writer adds to its event-log row (app/index/eventlog.py): the block meta it sent, the PUTs of
+    its parent it waits for, and the PUT's own token when children wait for it."""
+
+    token_ids: tuple[int, ...] | None = None
+    """None: no block meta was sent."""
+    parent: str | None = None
+    """The parent block's hash, hex."""
+    waits_for: tuple[int, ...] = ()
+    """The tokens of the PUTs of the parent in progress in the committing process that had not queued their change
+    (each owes a row of the parent's key after this one: the row waits for them)."""
+    token: int | None = None
+    """The token of the PUT making this change, when children's rows wait for it."""
+
+
+@dataclass(frozen=True, slots=True)
 class PartRecord:
     """A stored byte range ``[start, end)`` of the object ``key`` of ``total`` bytes."""
 

@@ -24,12 +24,14 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from app.errors import IndexUnavailable
 from app.index.batch import ReadBatcher
 from app.index.engine import guard
+from app.index.eventlog import REMOVED, STORED, EventLogOps
 from app.index.models import Block, Namespace, Part
 from app.index.records import (
     ABSENT,
     ANY,
     BlockRecord,
     Expect,
+    LogNote,
     NamespaceRecord,
     PartRecord,
     Swap,
@@ -43,12 +45,16 @@ T = TypeVar("T")
 GET_MANY_CHUNK = 5000
 
 
-class Index(Scans):
+class Index(Scans, EventLogOps):
     """Block rows, parts and namespaces: point reads (batched), the changes of one key, access times written behind;
-    the group-commit writer is ``app.index.writer``, the whole-table reads and bulk writes ``app.index.scans``."""
+    the group-commit writer is ``app.index.writer``, the whole-table reads and bulk writes ``app.index.scans``, the
+    KV event log ``app.index.eventlog`` (``events``: every change of a block row adds its row there)."""
 
-    def __init__(self, engine: AsyncEngine, *, flush_interval_s: float = 1.0, max_batch: int = 512) -> None:
+    def __init__(
+        self, engine: AsyncEngine, *, flush_interval_s: float = 1.0, max_batch: int = 512, events: bool = False
+    ) -> None:
         super().__init__(engine, max_batch=max_batch)
+        self.logs_events = events
         self._flush_interval = flush_interval_s
         self._access: dict[str, tuple[float, int]] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -119,24 +125,31 @@ class Index(Scans):
         """The by-key read and the upsert as SQLite's own SQL, compiled once from the same statements."""
         return _DriverStatements(dialect=self.engine.dialect, get=self._get_bound, upsert=self._upsert_bound)
 
-    async def swap_block(self, record: BlockRecord, *, expect: Expect = ANY) -> Swap:
+    async def swap_block(self, record: BlockRecord, *, expect: Expect = ANY, note: LogNote | None = None) -> Swap:
         """Make ``record`` the row of its key, in one transaction that reads the row it replaces (the key held),
         if the row is what the caller expects: ``ANY`` (a PUT: whatever is there; nothing is written when the row
         already holds the same bytes, same digest and size), ``ABSENT`` (create-only), or a stamp (a change decided
         from a version observed earlier: only if the row still names that version). ``Swap`` says what was found
-        and whether it was written."""
+        and whether it was written. A write of other bytes than the row's (or of a new key) adds its event-log row
+        in the same transaction, with ``note``."""
         values = row_values(record)
         driver = self._sqlite_swap if self._dialect == "sqlite" else None
 
         def run(conn: Connection) -> Swap:
             if driver is not None:  # SQLite: the same statements on the driver's connection, inside the transaction
-                return driver.swap(conn, record, values, expect)
-            self._lock_key(conn, record.key)
-            old = self._current(conn, record.key)
-            if not _should_write(old, record, expect):
-                return Swap(old=old, written=False)
-            conn.execute(self._upsert_bound, values)
-            return Swap(old=old, written=True)
+                swap = driver.swap(conn, record, values, expect)
+            else:
+                self._lock_key(conn, record.key)
+                old = self._current(conn, record.key)
+                if not _should_write(old, record, expect):
+                    return Swap(old=old, written=False)
+                conn.execute(self._upsert_bound, values)
+                swap = Swap(old=old, written=True)
+            old = swap.old
+            if swap.written and (old is None or (old.digest, old.size) != (record.digest, record.size)):
+                # news (a re-stamp of the same bytes is not): its event-log row, in this transaction
+                self._log(conn, kind=STORED, key=record.key, size=record.size, digest=record.digest, note=note)
+            return swap
 
         swap: Swap = await self._write(run)
         return swap
@@ -151,6 +164,7 @@ class Index(Scans):
             if current is None or not _expected(current, expect):
                 return None
             conn.execute(delete(Block).where(Block.key == key))
+            self._log(conn, kind=REMOVED, key=key, size=current.size, digest=current.digest, note=None)
             return current
 
         self._access.pop(key, None)

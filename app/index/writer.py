@@ -23,7 +23,7 @@ from app.index.engine import WRITE_OPTION, blocking_twin, guard
 SyncOp = Callable[[Connection], Any]
 T = TypeVar("T")
 READER_THREADS = 4
-EXCLUSIVE = {"evict": 0x6B76_6761_7465_01}
+EXCLUSIVE = {"evict": 0x6B76_6761_7465_01, "events": 0x6B76_6761_7465_02}
 """PostgreSQL advisory lock keys of the named exclusive sections (``GroupCommit.exclusive``)."""
 
 
@@ -108,10 +108,10 @@ class GroupCommit:
                 return run_all(conn)
 
     @contextlib.asynccontextmanager
-    async def exclusive(self, name: str) -> AsyncIterator[None]:
+    async def exclusive(self, name: str, *, poll_s: float = 0.05) -> AsyncIterator[None]:
         """A section one process at a time runs across every gateway sharing this index: on PostgreSQL an advisory
-        lock held on a connection of its own for the section's length (polled, so a caller can time out); on
-        SQLite nothing (its processes share a machine, where the coordination file serves)."""
+        lock held on a connection of its own for the section's length (polled every ``poll_s``, so a caller can
+        time out); on SQLite nothing (its processes share a machine, where the coordination file serves)."""
         if self._dialect != "postgresql":
             yield
             return
@@ -120,7 +120,7 @@ class GroupCommit:
         async def take(conn: Any) -> None:
             # polled (no event tells of another session's unlock), so that the caller's timeout can end the wait
             while not (await conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": key})).scalar():  # noqa: ASYNC110
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(poll_s)
 
         async with self.engine.connect() as conn:
             await guard(take(conn), "lock")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -17,19 +18,24 @@ JOIN_NS = namespace_for(agnostic_fields("kvgate-test/join"))
 """Where :func:`joined` PUTs its blocks (out of the way of a test's own namespace)."""
 
 
-def events_gateway(data_dir: Path, *, env: Mapping[str, str] | None = None) -> Gateway:
-    pub, rep = free_port(), free_port()
-    gw = Gateway(
-        data_dir,
-        env={
-            "KVGATE_EVENTS_ENABLED": "true",
-            "KVGATE_EVENTS_ENDPOINT": f"tcp://127.0.0.1:{pub}",
-            "KVGATE_EVENTS_REPLAY_ENDPOINT": f"tcp://127.0.0.1:{rep}",
-            **(env or {}),
-        },
-    )
+def events_env(pub: int, rep: int) -> dict[str, str]:
+    return {
+        "KVGATE_EVENTS_ENABLED": "true",
+        "KVGATE_EVENTS_ENDPOINT": f"tcp://127.0.0.1:{pub}",
+        "KVGATE_EVENTS_REPLAY_ENDPOINT": f"tcp://127.0.0.1:{rep}",
+    }
+
+
+def events_gateway(
+    data_dir: Path, *, env: Mapping[str, str] | None = None, ports: tuple[int, int] | None = None
+) -> Gateway:
+    """A gateway with events on; ``ports``: its PUB and replay ports (several processes of one deployment share
+    them: the one that publishes binds them)."""
+    pub, rep = ports or (free_port(), free_port())
+    gw = Gateway(data_dir, env={**events_env(pub, rep), **(env or {})})
     gw.pub = f"tcp://127.0.0.1:{pub}"  # type: ignore[attr-defined]
     gw.replay = f"tcp://127.0.0.1:{rep}"  # type: ignore[attr-defined]
+    gw.ports = (pub, rep)  # type: ignore[attr-defined]
     return gw
 
 
@@ -145,3 +151,54 @@ def joined(url: str, tap: ZmqTap) -> int:
                 continue
     tap.wait(lambda t: t.batches[-1][1] == hello(url)["next_seq"] - 1)
     return hello(url)["next_seq"]
+
+
+def listening_pid(port: int, pids: list[int]) -> int | None:
+    """Which of ``pids`` listens on the loopback TCP ``port`` (Linux /proc), if any: the events publisher binds the
+    ZMQ sockets, the processes standing by do not."""
+    import os
+    from pathlib import Path
+
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # LISTEN
+                    inodes.add(fields[9])
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith("socket:[") and target[8:-1] in inodes:
+                        return pid
+    return None
+
+
+def wait_for_publisher(port: int, pids: list[int], *, timeout_s: float = 60.0) -> int:
+    """The pid of ``pids`` that publishes (listens on ``port``), once one does."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while (pid := listening_pid(port, pids)) is None:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"none of {pids} listens on {port}")
+        time.sleep(0.1)
+    return pid
+
+
+def run_gc(data_dir: Path, *, env: Mapping[str, str]) -> dict[str, Any]:
+    """``kvgate gc --json`` over ``data_dir`` with ``env`` (the gateway's settings), its report."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.gateway import REPO
+
+    full = {**os.environ, "PYTHONPATH": str(REPO), "KVGATE_DATA_DIR": str(data_dir), **env}
+    out = subprocess.run(
+        [sys.executable, "-m", "app", "gc", "--json"], cwd=REPO, env=full, capture_output=True, timeout=120, check=True
+    )
+    report: dict[str, Any] = json.loads(out.stdout)
+    return report

@@ -3,9 +3,12 @@ its own: ZMQ SUB on the pool's topics, the model from the topic (``kv@pool:<name
 hash of its parent's key, the model and its token ids (the engine's block hash only links a block to its parent).
 
 It keeps no assumption about how the gateway numbers batches beyond "each next one is one more": a number it did not
-expect is a gap, filled from the replay socket when the gateway still holds the batches, and otherwise (a restart
-whose numbers jump, batches no longer held) by a resync: one ``POST /v1/lookup`` over the prompts it has routed, then
-the stream from there on. So it works whether a restarted gateway's numbers jump (phase 1) or go on (persisted).
+expect is a gap, filled from the replay socket when the gateway still holds the batches, and otherwise (batches no
+longer held) by a resync: one ``POST /v1/lookup`` over the prompts it has routed, then the stream from there on.
+
+With several gateway processes or replicas, one publishes at a time, on its own addresses: the router connects its SUB
+socket to every PUB address and its replay DEALER (``ZMQ_IMMEDIATE``: only to peers that listen) to every replay
+address, and reads one stream.
 """
 
 from __future__ import annotations
@@ -45,8 +48,8 @@ class Prompt:
 
 @dataclass
 class Router:
-    pub: str
-    replay: str
+    pub: str | list[str]
+    replay: str | list[str]
     url: str
     topic_prefix: str = "kv@pool:kvgate@"
     expected: int | None = None
@@ -57,8 +60,18 @@ class Router:
     """Stores that came before their parent's, waiting for it (llm-d drops them)."""
     routed: list[Prompt] = field(default_factory=list)
     counts: dict[str, int] = field(
-        default_factory=lambda: {"batches": 0, "events": 0, "replayed": 0, "resyncs": 0, "orphans": 0, "gaps": 0}
+        default_factory=lambda: {
+            "batches": 0,
+            "events": 0,
+            "replayed": 0,
+            "resyncs": 0,
+            "orphans": 0,
+            "gaps": 0,
+            "twice": 0,
+        }
     )
+    """``twice``: batches that came live more than once (two publishers would send them)."""
+    live: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self._ctx = zmq.Context()
@@ -70,7 +83,8 @@ class Router:
     def connect(self) -> None:
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.RCVHWM, 0)
-        self._sub.connect(self.pub)
+        for endpoint in [self.pub] if isinstance(self.pub, str) else self.pub:
+            self._sub.connect(endpoint)
         self._sub.setsockopt_string(zmq.SUBSCRIBE, self.topic_prefix)
 
     def disconnect(self) -> None:
@@ -87,8 +101,12 @@ class Router:
         """Take one batch of the live stream; False if none came within ``timeout_ms``."""
         if self._sub is None or not self._sub.poll(timeout_ms):
             return False
-        topic, seq, payload = self._sub.recv_multipart()
-        self._take(topic.decode(), int.from_bytes(seq, "big"), payload)
+        topic, raw, payload = self._sub.recv_multipart()
+        seq = int.from_bytes(raw, "big")
+        if seq in self.live:
+            self.counts["twice"] += 1
+        self.live.add(seq)
+        self._take(topic.decode(), seq, payload)
         return True
 
     def _take(self, topic: str, seq: int, payload: bytes) -> None:
@@ -116,9 +134,13 @@ class Router:
 
     def _replay(self, start: int) -> list[tuple[str, int, bytes]]:
         sock = self._ctx.socket(zmq.DEALER)  # a fresh one: an answer from a gateway that went away is never read
-        sock.connect(self.replay)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # a request goes only to a peer that listens: the publisher
+        for endpoint in [self.replay] if isinstance(self.replay, str) else self.replay:
+            sock.connect(endpoint)
         out: list[tuple[str, int, bytes]] = []
         try:
+            if not sock.poll(5000, zmq.POLLOUT):
+                return []  # no publisher listens: resync
             sock.send_multipart((b"", start.to_bytes(8, "big")))
             while sock.poll(5000):
                 _empty, topic, seq, payload = sock.recv_multipart()

@@ -123,24 +123,46 @@ def test_concurrent_writers_events_complete_and_in_commit_order(tmp_path: Path) 
         gw.stop()
 
 
-def test_restart_sequence_goes_on_and_stream_says_gap(tmp_path: Path) -> None:
+def test_restart_sequence_goes_on_without_a_jump_and_replays_across_it(tmp_path: Path) -> None:
+    """Numbers are persisted with the batches: after a restart the next batch is the next number (no jump, no
+    reuse), and a stream asking from before the restart gets what the previous process sent, then the new ones.
+    Before the event log the restarted process numbered from the clock (a jump) and held nothing from before it."""
     gw = events_gateway(tmp_path / "data").start()
     try:
         with httpx.Client(base_url=gw.url, timeout=30) as http:
             assert http.put(f"/v1/blocks/{key_for(1)}", content=b"x" * 10).status_code == 201
-        before = read_batches(gw.url, since=hello(gw.url)["first_seq"], events=1)[-1]["seq"]
+        first = hello(gw.url)["first_seq"]
+        before = read_batches(gw.url, since=first, events=1)[-1]["seq"]
         gw.restart()
         after = hello(gw.url)
-        assert after["first_seq"] > before  # numbers are never reused across restarts
+        assert after["next_seq"] == before + 1 and after["first_seq"] == first
         with httpx.Client(base_url=gw.url, timeout=30) as http:
             assert http.put(f"/v1/blocks/{key_for(2)}", content=b"y" * 10).status_code == 201
-            with http.stream("GET", "/v1/events", params={"since": before + 1}) as resp:
-                stream = sse(resp)
-                assert next(stream)[0] == "hello"
-                assert next(stream)[0] == "gap"  # what it asked for is not held here: resync
-                event, data = next(stream)
-                assert event == "batch" and data["seq"] == after["next_seq"]
-                assert [e["key"] for e in data["events"]] == [key_for(2)]
+        batches = read_batches(gw.url, since=first, events=2)  # a gap would fail it (only hello and batch allowed)
+        assert [b["seq"] for b in batches] == [before, before + 1]
+        assert [e["key"] for b in batches for e in b["events"]] == [key_for(1), key_for(2)]
+    finally:
+        gw.stop()
+
+
+def test_numbers_no_longer_kept_are_a_gap(tmp_path: Path) -> None:
+    """The index keeps the newest KVGATE_EVENTS_BUFFER batches (the log is trimmed with them): a stream from an
+    older number says gap, then goes on with the oldest kept."""
+    gw = events_gateway(tmp_path / "data", env={"KVGATE_EVENTS_BUFFER": "5"}).start()
+    try:
+        start = hello(gw.url)["next_seq"]
+        with httpx.Client(base_url=gw.url, timeout=30) as http:
+            for i in range(200):  # a batch each (one at a time), past the bound many times: trimmed on the way
+                assert http.put(f"/v1/blocks/{key_for(i)}", content=b"z" * 10).status_code == 201
+        first = hello(gw.url)["first_seq"]
+        assert start < first
+        with httpx.stream("GET", f"{gw.url}/v1/events", params={"since": start}, timeout=30) as resp:
+            stream = sse(resp)
+            assert next(stream)[0] == "hello"
+            event, data = next(stream)
+            assert event == "gap" and data["next_seq"] == first
+            event, data = next(stream)
+            assert event == "batch" and data["seq"] == first
     finally:
         gw.stop()
 

@@ -14,47 +14,35 @@ import httpx
 from starlette.requests import Request
 
 from app.api.routes.events import events as events_route
-from app.core.events import EventBus
-from app.index import BlockRecord
+from app.core.events_feed import EventFeed
+from app.core.events_publisher import Publisher
 from tests.conftest import key_for
 from tests.events.helpers import events_gateway, hello, read_batches
+from tests.events.log_harness import log_index, record, sqlite_url
 
 MiB = 1024 * 1024
 
 
-def _record(key: str) -> BlockRecord:
-    return BlockRecord(
-        key=key,
-        namespace=key.split("_r0/")[0],
-        rank=0,
-        group=0,
-        size=1,
-        digest="0" * 64,
-        created_at=0.0,
-        last_access=0.0,
-        hits=0,
-        stamp=None,
-    )
-
-
-def test_a_batch_right_after_hello_is_not_missed() -> None:
+def test_a_batch_right_after_hello_is_not_missed(tmp_path: Path) -> None:
     """Without ``since``, the stream starts at the hello's ``next_seq``: a batch sent between the hello going out and
-    the subscription (the response's next step) is replayed from the ring, not lost."""
+    the subscription (the response's next step) is read from the stored batches, not lost."""
 
     async def run() -> None:
-        bus = EventBus()
-        app = SimpleNamespace(state=SimpleNamespace(events=bus))
-        request = Request({"type": "http", "method": "GET", "path": "/v1/events", "headers": [], "app": app})
-        resp = await events_route(request=request, since=None, namespace=None, last_event_id=None)
-        body: AsyncIterator[Any] = resp.body_iterator
-        first = await anext(body)
-        assert b"event: hello" in first and f'"next_seq":{bus.next_seq}'.encode() in first
-        bus.stored(_record(key_for(1)))  # committed while the hello was on its way
-        bus.flush()
-        batch = await asyncio.wait_for(anext(body), 5)  # before the fix: never (heartbeats only)
-        assert b"event: batch" in batch and key_for(1).encode() in batch
-        await body.aclose()
-        await bus.close()
+        async with log_index(sqlite_url(tmp_path)) as index:
+            feed = EventFeed(index=index, codec=None, poll_s=0.05)
+            publisher = Publisher(index=index, published=feed.published)
+            await publisher.resume()
+            app = SimpleNamespace(state=SimpleNamespace(events=feed))
+            request = Request({"type": "http", "method": "GET", "path": "/v1/events", "headers": [], "app": app})
+            resp = await events_route(request=request, since=None, namespace=None, last_event_id=None)
+            body: AsyncIterator[Any] = resp.body_iterator
+            first = await anext(body)
+            assert b"event: hello" in first and f'"next_seq":{publisher.next_seq}'.encode() in first
+            await index.swap_block(record(key_for(1)))  # committed while the hello was on its way
+            assert await publisher.round() == 1
+            batch = await asyncio.wait_for(anext(body), 5)  # before phase 1's fix: never (heartbeats only)
+            assert b"event: batch" in batch and key_for(1).encode() in batch
+            await body.aclose()
 
     asyncio.run(run())
 

@@ -1,9 +1,11 @@
 """GET /v1/events: the gateway's KV events as server-sent events (JSON), for people and scripts.
 
 Each batch is one SSE message: ``id`` is its sequence number, ``data`` its JSON (``{"seq", "ts", "events"}``).
-The first message (``event: hello``) gives ``first_seq``, where this gateway process started numbering (a new
-value means a restart), and ``next_seq``. ``event: gap`` says batches asked for are no longer (or never were) held:
-resync. ``event: overflow`` ends a stream that fell too far behind: reconnect with ``since``.
+The first message (``event: hello``) gives ``first_seq``, the oldest number still kept, and ``next_seq``, the
+number of the first batch after every change committed before the request (without ``since`` the stream starts
+there). The batches are read from the index (app/core/events_feed.py), so any gateway process or replica serves the
+same stream, across restarts. ``event: gap`` says batches asked for are no longer kept (``next_seq``: where the
+stream goes on): resync.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import StreamingResponse
 
 from app.api.errors import documented
-from app.core.events import EventBus
+from app.core.events_feed import EventFeed
 from app.errors import EventsDisabled
 from contract import wire
 from contract.keys import parse_namespace
@@ -41,15 +43,15 @@ def _message(event: str, data: object, *, seq: int | None = None) -> bytes:
 async def events(
     request: Request,
     since: Annotated[
-        str | None, Query(pattern=SEQ_PATTERN, description="first sequence number wanted (from the ring)")
+        str | None, Query(pattern=SEQ_PATTERN, description="first sequence number wanted (of those kept)")
     ] = None,
     namespace: Annotated[str | None, Query(max_length=512, description="only this namespace's events")] = None,
     last_event_id: Annotated[
         str | None, Header(alias="Last-Event-ID", description="the last sequence number seen: resume after it")
     ] = None,
 ) -> StreamingResponse:
-    bus: EventBus | None = getattr(request.app.state, "events", None)
-    if bus is None:
+    feed: EventFeed | None = getattr(request.app.state, "events", None)
+    if feed is None:
         raise EventsDisabled("KV events are off (KVGATE_EVENTS_ENABLED=true turns them on)")
     first = None if since is None else wire.parse_uint(since, what="since")
     if first is None and last_event_id is not None:
@@ -58,17 +60,19 @@ async def events(
         parse_namespace(namespace)  # InvalidKey: a 400
 
     async def stream() -> AsyncIterator[bytes]:
-        start = bus.next_seq  # without since: from the hello on (a batch sent while it goes out is replayed)
-        yield _message("hello", {"first_seq": bus.first_seq, "next_seq": start})
-        async for item in bus.subscribe(since=start if first is None else first):
+        first_seq, next_seq = await feed.hello()
+        yield _message("hello", {"first_seq": first_seq, "next_seq": next_seq})
+        cursor = next_seq if first is None else first
+        async for item in feed.subscribe(since=cursor):
             if isinstance(item, str):
                 if item == "heartbeat":
                     yield b": heartbeat\n\n"
                     continue
-                yield _message(item, {"next_seq": bus.next_seq})
-                if item in ("overflow", "closed"):
-                    return
-                continue
+                yield _message(item, {"next_seq": cursor})  # closed: the server is stopping
+                return
+            if item.seq > cursor:  # batches asked for are no longer kept
+                yield _message("gap", {"next_seq": item.seq})
+            cursor = item.seq + 1
             data = item.as_json(namespace)
             if data is not None:
                 yield _message("batch", data, seq=item.seq)

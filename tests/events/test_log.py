@@ -1,0 +1,194 @@
+"""The event log in the index (SQLite file and PostgreSQL server): a row iff its change committed, written in the
+change's own transaction; numbers persisted with the batches (a new publisher goes on where the last one stopped, and
+one that lost its turn writes nothing); PostgreSQL's ids that commit out of order are never skipped."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+
+from app.core.events import Batch
+from app.core.events_publisher import LostTurn, Publisher
+from app.index import ABSENT, Index, LogNote
+from app.index.eventlog import STORED, Horizon, Snapshot
+from tests.conftest import key_for
+from tests.events.log_harness import FIRST_SEQ, log_index, record
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite+aiosqlite:///{tmp_path / 'index.db'}"
+    return str(request.getfixturevalue("pg_url"))
+
+
+@pytest.fixture
+async def index(db_url: str) -> AsyncIterator[Index]:
+    async with log_index(db_url) as idx:
+        yield idx
+
+
+class Sent:
+    def __init__(self) -> None:
+        self.batches: list[Batch] = []
+
+    def send(self, batch: Batch) -> None:
+        self.batches.append(batch)
+
+    def keys(self) -> list[tuple[str, str]]:
+        return [(e.kind, e.key) for b in self.batches for e in b.events]
+
+
+async def _rows(index: Index) -> list[tuple[int, str]]:
+    rows = await index.event_rows(after=0, upto=1 << 62, limit=1000)
+    return [(r.kind, r.key) for r in rows]
+
+
+async def test_a_row_iff_the_change_committed(index: Index) -> None:
+    a, b = key_for(1), key_for(2)
+    assert (await index.swap_block(record(a, digest="a" * 64, stamp="s1"))).written
+    assert not (await index.swap_block(record(a, digest="a" * 64, stamp="s2"))).written  # the same bytes
+    assert not (await index.swap_block(record(a, digest="b" * 64), expect=ABSENT)).written  # create-only, present
+    assert not (await index.swap_block(record(a, digest="b" * 64), expect="other")).written  # not the version seen
+    assert (await index.swap_block(record(a, digest="a" * 64, stamp="s3"), expect="s1")).written  # a re-stamp
+    assert (await index.swap_block(record(a, digest="c" * 64, size=2), note=LogNote(token_ids=(1, 2)))).written
+    assert await index.remove_block(b) is None  # nothing there
+    assert await index.remove_block(a, expect="s1") is None  # not the version seen
+    assert await index.remove_block(a) is not None
+    rows = await index.event_rows(after=0, upto=1 << 62, limit=100)
+    assert [(r.kind, r.key, r.digest, r.tokens) for r in rows] == [
+        (STORED, a, "a" * 64, None),
+        (STORED, a, "c" * 64, (1, 2)),
+        (1, a, "c" * 64, None),
+    ]
+
+
+async def test_events_off_write_no_rows(db_url: str, tmp_path: Path) -> None:
+    async with log_index(db_url) as index:
+        index.logs_events = False
+        await index.swap_block(record(key_for(1)))
+        await index.remove_block(key_for(1))
+        assert await _rows(index) == []
+
+
+async def test_numbers_go_on_across_publishers_and_a_stale_one_writes_nothing(index: Index) -> None:
+    first, second = Sent(), Sent()
+    old = Publisher(index=index, sinks=[first])
+    await old.resume()
+    for i in range(3):
+        await index.swap_block(record(key_for(i)))
+        assert await old.round() == 1
+    assert [b.seq for b in first.batches] == [FIRST_SEQ, FIRST_SEQ + 1, FIRST_SEQ + 2]
+
+    new = Publisher(index=index, sinks=[second])  # another process takes over (a restart, a standby)
+    await new.resume()
+    await index.swap_block(record(key_for(3)))
+    with pytest.raises(LostTurn):
+        await old.round()  # it has not noticed: nothing it does is stored, nothing is sent
+    assert len(first.batches) == 3
+    assert await new.round() == 1
+    assert [b.seq for b in second.batches] == [FIRST_SEQ + 3]  # no jump, no reuse
+    assert second.keys() == [("stored", key_for(3))]
+    state = await index.event_state()
+    assert state is not None and (state.next_seq, state.last_id) == (FIRST_SEQ + 4, 4)
+
+
+async def test_held_rows_wait_for_the_puts_of_their_parent_across_a_restart(index: Index) -> None:
+    parent, child, grandchild, other = key_for(1), key_for(2), key_for(3), key_for(4)
+    h = {k: k.rsplit("/", 1)[1].removesuffix(".bin") for k in (parent, child, grandchild)}
+    sent = Sent()
+    publisher = Publisher(index=index, sinks=[sent])
+    await publisher.resume()
+    await index.swap_block(record(child), note=LogNote(token_ids=(3,), parent=h[parent], waits_for=(7,)))
+    await index.swap_block(record(grandchild), note=LogNote(token_ids=(5,), parent=h[child]))  # behind its parent
+    await index.swap_block(record(other))
+    await publisher.round()
+    assert sent.keys() == [("stored", other)]
+
+    publisher = Publisher(index=index, sinks=[sent])  # a restart: the held rows are read again
+    await publisher.resume()
+    await index.swap_block(record(parent, digest="e" * 64), note=LogNote(token_ids=(1,), token=8))  # not that PUT
+    await publisher.round()
+    assert sent.keys() == [("stored", other), ("stored", parent)]
+    await index.swap_block(record(parent), note=LogNote(token_ids=(1,), token=7))
+    await publisher.round()
+    assert sent.keys() == [
+        ("stored", other),
+        ("stored", parent),
+        ("stored", parent),
+        ("stored", child),
+        ("stored", grandchild),
+    ]
+
+    await index.swap_block(
+        record(child, digest="f" * 64), note=LogNote(token_ids=(3,), parent=h[parent], waits_for=(9,))
+    )
+    await publisher.round()
+    assert sent.keys()[-1] == ("stored", grandchild)
+    await index.event_release(parent, token=9)  # that PUT of the parent ended without a store
+    await publisher.round()
+    assert sent.keys()[-1] == ("stored", child)
+
+
+async def test_a_held_row_goes_after_events_hold_s_without_its_parent(index: Index) -> None:
+    sent = Sent()
+    publisher = Publisher(index=index, sinks=[sent], hold_s=0.0)
+    await publisher.resume()
+    parent_hash = key_for(1).rsplit("/", 1)[1].removesuffix(".bin")
+    await index.swap_block(record(key_for(2)), note=LogNote(token_ids=(3,), parent=parent_hash, waits_for=(5,)))
+    await publisher.round()  # read and held; the wait is over at once
+    await publisher.round()
+    assert sent.keys() == [("stored", key_for(2))]
+
+
+def test_horizon() -> None:
+    h = Horizon()
+    assert h.advance(Snapshot(xmin=10, xmax=10, max_id=5)) == 5  # nothing running: all final
+    assert h.advance(Snapshot(xmin=11, xmax=14, max_id=9)) == 5  # 11..13 may hold ids below 9
+    assert h.advance(Snapshot(xmin=12, xmax=15, max_id=12)) == 5
+    assert h.advance(Snapshot(xmin=14, xmax=16, max_id=13)) == 9  # all of the first snapshot's have ended
+    assert h.advance(Snapshot(xmin=16, xmax=17, max_id=14)) == 13
+    assert h.advance(Snapshot(xmin=17, xmax=17, max_id=14)) == 14
+
+
+async def test_postgresql_ids_committed_out_of_order_are_not_skipped(pg_url: str) -> None:
+    """Transaction A takes log id n and commits after transaction B took n + 1 and committed. A reader that takes
+    "every id above the last seen" would publish n + 1 and never n; the publisher waits until A has ended and then
+    publishes n, n + 1, in the log's order."""
+    import asyncpg  # type: ignore[import-untyped]
+
+    from tests.services import asyncpg_dsn
+
+    async with log_index(pg_url) as index:
+        sent = Sent()
+        publisher = Publisher(index=index, sinks=[sent])
+        await publisher.resume()
+        slow, fast = key_for(1), key_for(2)
+        other: Any = await asyncpg.connect(asyncpg_dsn(pg_url))  # another replica's transaction, slow to commit
+        try:
+            tx = other.transaction()
+            await tx.start()
+            await other.execute(
+                "INSERT INTO blocks (key, namespace, rank, grp, size, digest, created_at, last_access, hits) "
+                "VALUES ($1, $2, 0, 0, 1, $3, 0, 0, 0)",
+                slow,
+                slow.split("_r0/")[0],
+                "0" * 64,
+            )
+            await other.execute("INSERT INTO event_log (kind, key, size, digest) VALUES (0, $1, 1, $2)", slow, "0" * 64)
+            await index.swap_block(record(fast))  # commits now, with the next id
+            async with index.engine.connect() as conn:
+                visible = [r[0] for r in await conn.execute(text("SELECT id FROM event_log ORDER BY id"))]
+            assert len(visible) == 1  # the slow one's id is taken, not visible: "above the last seen" skips it
+            assert await publisher.round() == 0
+            assert sent.batches == []
+            await tx.commit()
+        finally:
+            await other.close()
+        while await publisher.round():
+            pass
+        assert sent.keys() == [("stored", slow), ("stored", fast)]

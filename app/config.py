@@ -314,13 +314,8 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _workers_share_what_they_can(self) -> Settings:
-        """Several workers share the store, the index and the data directory; not events (yet), nor memory."""
-        if self.workers > 1 and self.events_enabled:
-            raise ValueError(
-                "workers > 1 with events_enabled: each worker would publish its own events on its own sequence "
-                "(KV events need one process until they are published from the index); run one worker per gateway "
-                "with events on"
-            )
+        """Several workers share the store, the index and the data directory (and the KV event stream: one of them
+        publishes it at a time); not the memory backend."""
         if self.workers > 1 and isinstance(self.backend, MemoryBackend):
             raise ValueError("workers > 1 with the memory backend: each worker would keep blocks of its own")
         return self

@@ -106,6 +106,42 @@ def test_two_processes_and_gc_one_stream_and_a_takeover(tmp_path: Path) -> None:
         b.stop()
 
 
+def test_workers_publish_one_stream_and_another_takes_over(tmp_path: Path) -> None:
+    """``kvgate serve --workers 2`` with events on (refused before the event log): writers on many connections (spread
+    over both workers) make one stream, each change once; the publishing worker killed, another takes over the ports
+    (the survivor, or the supervisor's replacement) and the numbers go on."""
+    ports = (free_port(), free_port())
+    gw = Gateway(tmp_path / "data", workers=2, env={**events_env(*ports), "KVGATE_META_CACHE_TTL_S": "0"}).start()
+    tap = ZmqTap(f"tcp://127.0.0.1:{ports[0]}")
+    try:
+        leader = wait_for_publisher(ports[0], gw.worker_pids())
+        start = joined(gw.url, tap)
+
+        async def writers(first: int, count: int) -> None:
+            async def one(i: int) -> None:
+                async with httpx.AsyncClient(base_url=gw.url, timeout=30) as http:  # a connection each
+                    assert (await http.put(f"/v1/blocks/{key_for(i)}", content=b"w" * 64)).status_code == 201
+
+            await asyncio.gather(*(one(i) for i in range(first, first + count)))
+
+        asyncio.run(writers(0, 40))
+        events = _stream(gw.url, since=start, events=40)
+        assert sorted(k for _s, _t, k in events) == sorted(key_for(i) for i in range(40))  # once each
+        tap.wait(lambda t: t.batches[-1][1] == events[-1][0])
+        live = [seq for _topic, seq, _b in tap.batches if seq >= start]
+        assert live == list(range(start, events[-1][0] + 1))  # one publisher: each batch once, in order
+
+        gw.kill9_worker(leader)
+        assert wait_for_publisher(ports[0], [p for p in gw.worker_pids() if p != leader]) != leader
+        asyncio.run(writers(40, 10))
+        after = _stream(gw.url, since=start, events=50)
+        assert after[:40] == events and after[40][0] == events[-1][0] + 1  # nothing lost, no jump
+        assert sorted(k for _s, _t, k in after[40:]) == sorted(key_for(i) for i in range(40, 50))
+    finally:
+        tap.close()
+        gw.stop()
+
+
 @pytest.fixture
 def pg_db(pg_server: PgServer) -> Iterator[str]:
     url = asyncio.run(pg_server.create_database())

@@ -31,12 +31,13 @@ from typing import Any
 import msgspec
 import zmq
 
-from app.core.events import EventBus, WriterMeta, writer_meta
+from app.core.events_publisher import Publisher
 from app.core.events_wire import EventCodec, KVEventBatch, Topics
 from app.core.events_zmq import ZmqPublisher
-from app.index import BlockRecord
+from app.index import LogNote
 from tests.conftest import key_for
 from tests.events.helpers import events_gateway
+from tests.events.log_harness import log_index, record
 from tests.gateway import REPO, Gateway
 
 
@@ -86,67 +87,57 @@ def bench(url: str, out: Path, args: argparse.Namespace, seed: int) -> dict[str,
     return put
 
 
-async def _publish(n: int, endpoint: str, counter: Counter) -> float:
-    """Seconds for ``n`` events, one per loop turn (one batch each: the worst case), until all are decoded."""
+async def _publish(n: int, meta_tokens: int, endpoint: str | None, counter: Counter | None) -> tuple[float, float]:
+    """Wall seconds and CPU seconds (this process, all threads) for the publisher to publish ``n`` events already in
+    the log (a SQLite index in a temp dir; rows written by ``swap_block`` beforehand, untimed), until a subscriber
+    has decoded all of them (with ``counter``)."""
     import asyncio
 
-    publisher = ZmqPublisher(endpoint=endpoint, replay_endpoint=None, codec=EventCodec())
-    bus = EventBus(sinks=[publisher], codec=publisher.codec, topics=Topics())
-    records = [_record(key_for(i)) for i in range(1000)]
-    counter.target = n
-    await asyncio.sleep(0.5)  # the subscriber joins
-    start = time.perf_counter()
-    for i in range(n):
-        bus.stored(records[i % len(records)])
-        await asyncio.sleep(0)
-    await asyncio.to_thread(counter.reached.wait, 120)
-    seconds = time.perf_counter() - start
-    await bus.close()
-    await publisher.close()
-    return seconds
+    with tempfile.TemporaryDirectory(prefix="kvgate-events-pub-") as tmp:
+        async with log_index(f"sqlite+aiosqlite:///{tmp}/index.db") as index:
+            note = LogNote(token_ids=tuple(range(meta_tokens)), parent="ab" * 32) if meta_tokens else None
+            for start in range(0, n, 1000):
+                await asyncio.gather(
+                    *(
+                        index.swap_block(record(key_for(i), size=4096), note=note)
+                        for i in range(start, min(n, start + 1000))
+                    )
+                )
+            zmq_pub = None
+            if endpoint is not None:
+                zmq_pub = ZmqPublisher(endpoint=endpoint, replay_endpoint=None, codec=EventCodec())
+            codec = zmq_pub.codec if zmq_pub is not None else EventCodec()
+            publisher = Publisher(index=index, codec=codec, topics=Topics(), sinks=[zmq_pub] if zmq_pub else [])
+            await publisher.resume()
+            if counter is not None:
+                counter.target = n
+                await asyncio.sleep(0.5)  # the subscriber joins
+            start_wall, start_cpu = time.perf_counter(), time.process_time()
+            while await publisher.round() or publisher.behind:
+                pass
+            if counter is not None:
+                await asyncio.to_thread(counter.reached.wait, 120)
+            seconds, cpu = time.perf_counter() - start_wall, time.process_time() - start_cpu
+            if publisher.published != n:
+                raise SystemExit(f"published {publisher.published} of {n} events")
+            if zmq_pub is not None:
+                await zmq_pub.close()
+            return seconds, cpu
 
 
 def loop_cost_us(n: int, meta_tokens: int) -> float:
-    """CPU microseconds one event costs the gateway's loop: record -> event (encoded), batch, PUB send, ring."""
+    """CPU microseconds one event costs the publishing gateway: read from the log, encoded, ordered, batched, the
+    batch stored, the PUB send."""
     import asyncio
 
     from tests.gateway import free_port
 
-    async def run() -> float:
-        publisher = ZmqPublisher(endpoint=f"tcp://127.0.0.1:{free_port()}", replay_endpoint=None, codec=EventCodec())
-        bus = EventBus(sinks=[publisher], codec=publisher.codec, topics=Topics())
-        records = [_record(key_for(i)) for i in range(1000)]
-        if meta_tokens:
-            writer_meta.set(WriterMeta(token_ids=tuple(range(meta_tokens)), parent="ab" * 32))
-        start = time.process_time()
-        for i in range(n):
-            bus.stored(records[i % len(records)])
-            bus.flush()
-        seconds = time.process_time() - start
-        await bus.close()
-        await publisher.close()
-        return 1e6 * seconds / n
-
-    return asyncio.run(run())
+    _seconds, cpu = asyncio.run(_publish(n, meta_tokens, f"tcp://127.0.0.1:{free_port()}", None))
+    return 1e6 * cpu / n
 
 
-def _record(key: str) -> BlockRecord:
-    return BlockRecord(
-        key=key,
-        namespace=key.split("_r0/")[0],
-        rank=0,
-        group=0,
-        size=4096,
-        digest="0" * 64,
-        created_at=0.0,
-        last_access=0.0,
-        hits=0,
-        stamp=None,
-    )
-
-
-def publisher_capacity(n: int) -> float:
-    """Events/s the bus and the ZMQ publisher sustain on one event loop, decoded by a subscriber thread."""
+def publisher_capacity(n: int, meta_tokens: int) -> float:
+    """Events/s the publisher sustains from the log to a ZMQ subscriber thread that decodes them."""
     import asyncio
 
     from tests.gateway import free_port
@@ -155,7 +146,8 @@ def publisher_capacity(n: int) -> float:
     counter = Counter(endpoint)
     counter.start()
     try:
-        return n / asyncio.run(_publish(n, endpoint, counter))
+        seconds, _cpu = asyncio.run(_publish(n, meta_tokens, endpoint, counter))
+        return n / seconds
     finally:
         counter.stop = True
 
@@ -244,10 +236,10 @@ def main() -> None:
     cost = statistics.median(cpu[b_name]) - statistics.median(cpu[a_name])
     print(f"gateway CPU per PUT {b_name} - {a_name}: {cost:.0f} us")
     print(f"events decoded by a ZMQ subscriber: {statistics.median(rates):.0f}/s (median of rounds), none missing")
-    capacity = publisher_capacity(args.publisher_events)
-    print(f"publisher alone (bus + ZMQ, one batch per event, one loop): {capacity:.0f} events/s")
+    capacity = publisher_capacity(args.publisher_events, args.meta_tokens)
+    print(f"publisher alone (log -> batches stored -> ZMQ, a subscriber decoding): {capacity:.0f} events/s")
     cost_us = loop_cost_us(args.publisher_events, args.meta_tokens)
-    print(f"CPU per event on the gateway's loop (no subscriber): {cost_us:.1f} us")
+    print(f"CPU per event published (log read, encode, order, batch stored, PUB send): {cost_us:.1f} us")
 
 
 if __name__ == "__main__":

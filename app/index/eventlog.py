@@ -36,7 +36,7 @@ from typing import Any
 from sqlalchemy import Connection, bindparam, delete, func, insert, select, text, update
 
 from app.index.models import EventBatchRow, EventLogRow, EventState
-from app.index.records import LogNote
+from app.index.records import BlockRecord, LogNote, Swap
 from app.index.writer import GroupCommit
 
 STORED, REMOVED, RELEASE = 0, 1, 2
@@ -197,6 +197,13 @@ class EventLogOps(GroupCommit):
                 driver.execute(self._log_sqlite, values)
                 return
         conn.execute(self._log_insert, dict(zip(_LOGGED, values, strict=True)))
+
+    def _log_stored(self, conn: Connection, *, record: BlockRecord, swap: Swap, note: LogNote | None) -> None:
+        """The row of a swap that wrote other bytes than the key's row held, or a new key (a re-stamp of the same
+        bytes is not news)."""
+        old = swap.old
+        if swap.written and (old is None or (old.digest, old.size) != (record.digest, record.size)):
+            self._log(conn, kind=STORED, key=record.key, size=record.size, digest=record.digest, note=note)
 
     async def event_release(self, key: str, *, token: int) -> None:
         """The PUT ``token`` of ``key`` ended without storing it while rows waited for it: they wait no more."""

@@ -24,7 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from app.errors import IndexUnavailable
 from app.index.batch import ReadBatcher
 from app.index.engine import guard
-from app.index.eventlog import REMOVED, STORED, EventLogOps
+from app.index.eventlog import REMOVED, EventLogOps
 from app.index.models import Block, Namespace, Part
 from app.index.records import (
     ABSENT,
@@ -141,14 +141,10 @@ class Index(Scans, EventLogOps):
             else:
                 self._lock_key(conn, record.key)
                 old = self._current(conn, record.key)
-                if not _should_write(old, record, expect):
-                    return Swap(old=old, written=False)
-                conn.execute(self._upsert_bound, values)
-                swap = Swap(old=old, written=True)
-            old = swap.old
-            if swap.written and (old is None or (old.digest, old.size) != (record.digest, record.size)):
-                # news (a re-stamp of the same bytes is not): its event-log row, in this transaction
-                self._log(conn, kind=STORED, key=record.key, size=record.size, digest=record.digest, note=note)
+                swap = Swap(old=old, written=_should_write(old, record, expect))
+                if swap.written:
+                    conn.execute(self._upsert_bound, values)
+            self._log_stored(conn, record=record, swap=swap, note=note)
             return swap
 
         swap: Swap = await self._write(run)

@@ -188,8 +188,9 @@ def wait_for_publisher(port: int, pids: list[int], *, timeout_s: float = 60.0) -
     return pid
 
 
-def run_gc(data_dir: Path, *, env: Mapping[str, str]) -> dict[str, Any]:
-    """``kvgate gc --json`` over ``data_dir`` with ``env`` (the gateway's settings), its report."""
+def run_tool(*args: str, data_dir: Path, env: Mapping[str, str]) -> dict[str, Any]:
+    """``kvgate ARGS`` (``gc --json``, ``import DIR``) over ``data_dir`` with ``env`` (the gateway's settings): the JSON
+    report it prints."""
     import os
     import subprocess
     import sys
@@ -197,8 +198,11 @@ def run_gc(data_dir: Path, *, env: Mapping[str, str]) -> dict[str, Any]:
     from tests.gateway import REPO
 
     full = {**os.environ, "PYTHONPATH": str(REPO), "KVGATE_DATA_DIR": str(data_dir), **env}
-    out = subprocess.run(
-        [sys.executable, "-m", "app", "gc", "--json"], cwd=REPO, env=full, capture_output=True, timeout=120, check=True
-    )
+    out = subprocess.run([sys.executable, "-m", "app", *args], cwd=REPO, env=full, capture_output=True, timeout=120)
+    assert out.returncode == 0, out.stderr
     report: dict[str, Any] = json.loads(out.stdout)
     return report
+
+
+def run_gc(data_dir: Path, *, env: Mapping[str, str]) -> dict[str, Any]:
+    return run_tool("gc", "--json", data_dir=data_dir, env=env)

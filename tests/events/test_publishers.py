@@ -24,6 +24,7 @@ from tests.events.helpers import (
     joined,
     read_batches,
     run_gc,
+    run_tool,
     wait_for_publisher,
 )
 from tests.events.router import END
@@ -66,7 +67,7 @@ def _put(url: str, keys: list[str], fill: bytes) -> None:
             assert http.put(f"/v1/blocks/{key}", content=fill * 64).status_code == 201
 
 
-def test_two_processes_and_gc_one_stream_and_a_takeover(tmp_path: Path) -> None:
+def test_two_processes_gc_and_import_one_stream_and_a_takeover(tmp_path: Path) -> None:
     data = tmp_path / "data"
     ports = (free_port(), free_port())
     env = {"KVGATE_META_CACHE_TTL_S": "0"}
@@ -80,12 +81,17 @@ def test_two_processes_and_gc_one_stream_and_a_takeover(tmp_path: Path) -> None:
         _put(a.url, [key_for(i) for i in range(10)], b"a")
         _put(b.url, [key_for(i) for i in range(10, 20)], b"b")
         (data / "blocks" / key_for(3)).unlink()  # behind the gateways' back: gc drops its row
-        report = run_gc(data, env=events_env(*ports))
-        assert report["rows_dropped"] == 1
+        assert run_gc(data, env=events_env(*ports))["rows_dropped"] == 1
+        source = tmp_path / "fs-tier"  # a vLLM fs-tier directory, imported (copied in)
+        for i in (30, 31):
+            (source / key_for(i)).parent.mkdir(parents=True, exist_ok=True)
+            (source / key_for(i)).write_bytes(bytes([i]) * 100)
+        assert run_tool("import", str(source), data_dir=data, env=events_env(*ports))["blocks"] == 2
         expected = [("BlockStored", key_for(i)) for i in range(20)] + [("BlockRemoved", key_for(3))]
-        events = _stream(a.url, since=start, events=21)
-        assert [(t, k) for _s, t, k in events] == expected  # once each, in commit order, gc's included
-        assert _stream(b.url, since=start, events=21) == events  # the process not publishing serves the same
+        events = _stream(a.url, since=start, events=23)
+        assert [(t, k) for _s, t, k in events[:21]] == expected  # once each, in commit order, gc's included
+        assert sorted((t, k) for _s, t, k in events[21:]) == [("BlockStored", key_for(i)) for i in (30, 31)]
+        assert _stream(b.url, since=start, events=23) == events  # the process not publishing serves the same
         tap.wait(lambda t: t.batches[-1][1] == events[-1][0])
         live = [seq for _topic, seq, _b in tap.batches if seq >= start]
         assert live == sorted(set(live)) == list(range(start, events[-1][0] + 1))  # one publisher, each batch once
@@ -95,10 +101,10 @@ def test_two_processes_and_gc_one_stream_and_a_takeover(tmp_path: Path) -> None:
         dead.kill9()
         assert wait_for_publisher(ports[0], [survivor.proc.pid]) == survivor.proc.pid  # it took over the ports
         _put(survivor.url, [key_for(i) for i in range(20, 25)], b"c")
-        after = _stream(survivor.url, since=start, events=26)
-        assert after[:21] == events  # nothing lost, nothing renumbered
-        assert [(t, k) for _s, t, k in after[21:]] == [("BlockStored", key_for(i)) for i in range(20, 25)]
-        assert after[21][0] == events[-1][0] + 1  # no jump
+        after = _stream(survivor.url, since=start, events=28)
+        assert after[:23] == events  # nothing lost, nothing renumbered
+        assert [(t, k) for _s, t, k in after[23:]] == [("BlockStored", key_for(i)) for i in range(20, 25)]
+        assert after[23][0] == events[-1][0] + 1  # no jump
         assert _replay(survivor.replay, start) == list(range(start, after[-1][0] + 1))  # type: ignore[attr-defined]
     finally:
         tap.close()

@@ -31,7 +31,7 @@ from app.config import Settings
 from app.core.assembly import open_core
 from app.core.events import NO_EVENTS
 from app.core.events_feed import EventFeed
-from app.core.events_setup import event_writer, open_events
+from app.core.events_setup import event_parts, open_events
 from app.core.reconcile import reconcile
 
 log = logging.getLogger("kvgate")
@@ -121,10 +121,10 @@ def _app(cfg: Settings, *, principals: Principals | None) -> FastAPI:
 @contextlib.asynccontextmanager
 async def _serving(app: FastAPI, *, cfg: Settings, backends: Backends) -> AsyncIterator[None]:
     """The core over the opened backends, with events, reconcile and capacity; closed in reverse."""
-    writer = await event_writer(cfg, index=backends.index)
+    parts = await event_parts(cfg, index=backends.index)
     app.state.events = None
     async with (
-        open_core(backends, settings=cfg, events=writer if writer is not None else NO_EVENTS) as core,
+        open_core(backends, settings=cfg, events=parts.writer if parts is not None else NO_EVENTS) as core,
         contextlib.AsyncExitStack() as stack,
     ):
         if cfg.reconcile_on_start:
@@ -136,9 +136,9 @@ async def _serving(app: FastAPI, *, cfg: Settings, backends: Backends) -> AsyncI
                 stale_parts_s=cfg.stale_upload_s,
             )
         await core.capacity.start()
-        if writer is not None:
+        if parts is not None:
             events = await stack.enter_async_context(
-                open_events(cfg, writer=writer, index=core.index, coordinator=core.coordinator)
+                open_events(cfg, parts=parts, index=core.index, coordinator=core.coordinator)
             )
             app.state.events = events.feed
             _end_streams_on_exit(events.feed)

@@ -187,14 +187,20 @@ class EventWriter:
     """A gateway process's part in the events (the index writes the rows): each row's block meta and the parent's
     rows it waits for, release rows, and a nudge to the local publisher after each commit."""
 
-    def __init__(self, *, index: Index) -> None:
+    def __init__(
+        self,
+        *,
+        index: Index,
+        committed: Callable[[], None] = lambda: None,
+        config_stored: Callable[[str, str], None] = lambda namespace, model: None,
+    ) -> None:
+        """``committed``: called after each commit here (the local publisher, if this process is it, reads the log
+        at once); ``config_stored``: called with a namespace and its model name when its config is stored here."""
         self._index = index
         self._brackets = Brackets()
         self._releasing: set[asyncio.Task[None]] = set()
-        self.committed: Callable[[], None] = lambda: None
-        """Called after each commit here (the local publisher, if this process is it, reads the log at once)."""
-        self.config_stored: Callable[[str, str], None] = lambda namespace, model: None
-        """Called with a namespace and its model name when its config is stored here."""
+        self._committed = committed
+        self._config_stored = config_stored
 
     def note(self, key: str) -> LogNote | None:
         bracket = _bracket.get()
@@ -223,7 +229,7 @@ class EventWriter:
         bracket = _bracket.get()
         if bracket is not None and bracket.key == key:
             bracket.wrote = True
-        self.committed()
+        self._committed()
 
     @contextlib.asynccontextmanager
     async def writing(self, key: str) -> AsyncIterator[None]:
@@ -248,12 +254,12 @@ class EventWriter:
             await self._index.event_release(key, token=token)
         except KVGateError as exc:  # the publisher stops waiting after events_hold_s
             log.warning("events: release row of key=%s not written: %s", key, exc)
-        self.committed()
+        self._committed()
 
     def namespace_config(self, namespace: str, fields: Mapping[str, Any]) -> None:
         model = fields.get("model_name")
         if isinstance(model, str):
-            self.config_stored(namespace, model)
+            self._config_stored(namespace, model)
 
     async def close(self) -> None:
         await asyncio.gather(*self._releasing, return_exceptions=True)

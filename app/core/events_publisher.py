@@ -31,7 +31,6 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING
 
 from app.core.coordination import Coordinator
 from app.core.events import Batch, BatchSink, Event, event_of
@@ -41,9 +40,6 @@ from app.errors import IndexUnavailable
 from app.index import Index
 from app.index.eventlog import RELEASE, Horizon, LoggedBatch, LogRow
 from contract.keys import InvalidKey
-
-if TYPE_CHECKING:
-    from app.core.events_zmq import ZmqPublisher
 
 log = logging.getLogger("kvgate.events")
 
@@ -81,7 +77,7 @@ class Publisher:
         self.codec = codec
         self.topics = topics
         self.models = models
-        self.sinks = list(sinks)
+        self._sinks = tuple(sinks)
         self._keep = keep
         self._hold_s = hold_s
         self._published = published
@@ -155,7 +151,7 @@ class Publisher:
         self._last_id = last_id
         for batch in batches:
             self.published += len(batch.events)
-            for sink in self.sinks:
+            for sink in self._sinks:
                 try:
                     sink.send(batch)
                 except Exception:  # a sink's failure must not stall the stream: the batch is stored, replays serve it
@@ -241,7 +237,9 @@ class Publisher:
 
 
 class PublisherRole:
-    """A gateway process's candidacy: waits for its turn, then publishes until it stops or loses the turn."""
+    """A gateway process's candidacy: waits for its turn, then publishes until it stops or loses the turn.
+    ``sockets``: what the publisher binds while it holds the turn (the ZMQ sockets: ZmqOutlet.bound); ``wake``: set
+    when a change committed here (the publisher reads the log at once rather than at the next poll)."""
 
     def __init__(
         self,
@@ -249,27 +247,22 @@ class PublisherRole:
         publisher: Publisher,
         index: Index,
         coordinator: Coordinator | None,
-        open_zmq: Callable[[], ZmqPublisher] | None,
+        sockets: Callable[[], contextlib.AbstractAsyncContextManager[None]] | None,
+        wake: asyncio.Event,
         poll_s: float,
     ) -> None:
         self.publisher = publisher
         self._index = index
         self._coordinator = coordinator
-        self._open_zmq = open_zmq
+        self._sockets = sockets
         self._poll_s = poll_s
-        self._wake = asyncio.Event()
+        self._wake = wake
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self.leading = False
-        self.zmq: ZmqPublisher | None = None
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="kvgate-events-publisher")
-
-    def wake(self) -> None:
-        """A change committed here: read the log now rather than at the next poll."""
-        if self.leading:
-            self._wake.set()
 
     async def _run(self) -> None:
         while not self._stopping:
@@ -291,21 +284,14 @@ class PublisherRole:
             if self._coordinator is not None:
                 await held.enter_async_context(self._coordinator.exclusive("events"))
             await held.enter_async_context(self._index.exclusive("events", poll_s=max(self._poll_s, 0.5)))
-            if self._open_zmq is not None:
-                self.zmq = self._open_zmq()  # zmq.ZMQError if the address is taken: retried after a pause
-                held.push_async_callback(self._close_zmq)
+            if self._sockets is not None:  # zmq.ZMQError if an address is taken: retried after a pause
+                await held.enter_async_context(self._sockets())
             self.leading = True
             log.info("events: publishing")
             try:
                 yield
             finally:
                 self.leading = False
-
-    async def _close_zmq(self) -> None:
-        self.publisher.sinks = []
-        if self.zmq is not None:
-            zmq, self.zmq = self.zmq, None
-            await zmq.close()
 
     async def _lead(self) -> None:
         """Rounds until stopped (after a last one that found nothing: what committed here before is sent)."""

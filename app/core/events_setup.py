@@ -4,6 +4,7 @@ changes' rows, and a gateway's publisher sends them."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -13,16 +14,26 @@ from typing import TYPE_CHECKING
 
 from app.config import Settings
 from app.core.coordination import Coordinator
-from app.core.events import EventWriter
+from app.core.events import Batch, EventWriter
 from app.core.events_feed import EventFeed
 from app.core.events_publisher import Publisher, PublisherRole
 from app.core.events_wire import EventCodec, ModelNames, Topics, WireFormat
 from app.index import Index
 
 if TYPE_CHECKING:
-    from app.core.events_zmq import ZmqPublisher
+    from app.core.events_zmq import Replays, ZmqPublisher
 
 log = logging.getLogger("kvgate.events")
+
+
+@dataclass(frozen=True, slots=True)
+class EventParts:
+    """What the core needs before it is built (the writer), and what the writer tells the publisher: a change
+    committed here (``wake``), a namespace's model name (``models``)."""
+
+    writer: EventWriter
+    models: ModelNames
+    wake: asyncio.Event
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,18 +43,68 @@ class Events:
     role: PublisherRole
 
 
-async def event_writer(settings: Settings, *, index: Index) -> EventWriter | None:
-    """The writer, with the stream's state created if it has none (None: events off). Its first batch is numbered
-    with the wall clock in microseconds: above any number a gateway gave out when numbers came from the clock."""
+async def event_parts(settings: Settings, *, index: Index) -> EventParts | None:
+    """The writer and what it tells, with the stream's state created if it has none (None: events off). Its first
+    batch is numbered with the wall clock in microseconds: above any number a gateway gave out when numbers came
+    from the clock."""
     if not settings.events_enabled:
         return None
     await index.event_init(first_seq=time.time_ns() // 1000)
-    return EventWriter(index=index)
+
+    async def model_name(namespace: str) -> str | None:
+        record = await index.get_namespace(namespace)
+        name = record.fields.get("model_name") if record is not None else None
+        return name if isinstance(name, str) else None
+
+    models = ModelNames(model_name)
+    wake = asyncio.Event()
+    writer = EventWriter(index=index, committed=wake.set, config_stored=models.learn)
+    return EventParts(writer=writer, models=models, wake=wake)
+
+
+class ZmqOutlet:
+    """The publisher's ZMQ sink: the PUB and replay sockets, bound only while this process holds the turn to
+    publish (``bound``); a batch sent while they are not is stored all the same, and replays serve it."""
+
+    def __init__(
+        self, *, endpoint: str, replay_endpoint: str | None, codec: EventCodec, replays: Replays, buffer: int
+    ) -> None:
+        self._endpoint = endpoint
+        self._replay_endpoint = replay_endpoint
+        self._codec = codec
+        self._replays = replays
+        self._buffer = buffer
+        self._zmq: ZmqPublisher | None = None
+
+    def send(self, batch: Batch) -> None:
+        if self._zmq is not None:
+            self._zmq.send(batch)
+
+    @contextlib.asynccontextmanager
+    async def bound(self) -> AsyncIterator[None]:
+        """The sockets bound (zmq.ZMQError if an address is taken), closed on exit."""
+        from app.core.events_zmq import ZmqPublisher  # pyzmq only where events go out on ZMQ
+
+        zmq = ZmqPublisher(
+            endpoint=self._endpoint,
+            replay_endpoint=self._replay_endpoint,
+            codec=self._codec,
+            replays=self._replays,
+            buffer=self._buffer,
+        )
+        zmq.start()
+        self._zmq = zmq
+        log.info("kv events: pub=%s replay=%s", zmq.endpoint, zmq.replay_endpoint)
+        try:
+            yield
+        finally:
+            self._zmq = None
+            await zmq.close()
 
 
 @contextlib.asynccontextmanager
 async def open_events(
-    settings: Settings, *, writer: EventWriter, index: Index, coordinator: Coordinator | None
+    settings: Settings, *, parts: EventParts, index: Index, coordinator: Coordinator | None
 ) -> AsyncIterator[Events]:
     """The feed and this process's candidacy to publish (started); stopped in reverse, after a last round."""
     cfg = settings
@@ -59,50 +120,37 @@ async def open_events(
             )
         )
     feed = EventFeed(index=index, codec=codec, poll_s=cfg.events_poll_s)
-
-    async def model_name(namespace: str) -> str | None:
-        record = await index.get_namespace(namespace)
-        name = record.fields.get("model_name") if record is not None else None
-        return name if isinstance(name, str) else None
-
-    models = ModelNames(model_name)
+    outlet = None
+    if codec is not None and cfg.events_endpoint:
+        outlet = ZmqOutlet(
+            endpoint=cfg.events_endpoint,
+            replay_endpoint=cfg.events_replay_endpoint or None,
+            codec=codec,
+            replays=feed.replay,
+            buffer=cfg.events_buffer,
+        )
     publisher = Publisher(
         index=index,
         codec=codec,
         topics=Topics(cfg.events_topic, name=cfg.events_pool_name) if codec is not None else None,
-        models=models,
+        models=parts.models,
+        sinks=[outlet] if outlet is not None else [],
         keep=cfg.events_buffer,
         hold_s=cfg.events_hold_s,
         published=feed.published,
     )
-    open_zmq = None
-    if codec is not None and cfg.events_endpoint:
-        endpoint, replay_endpoint, zmq_codec = cfg.events_endpoint, cfg.events_replay_endpoint or None, codec
-
-        def open_zmq() -> ZmqPublisher:
-            from app.core.events_zmq import ZmqPublisher  # pyzmq only where events go out on ZMQ
-
-            zmq = ZmqPublisher(
-                endpoint=endpoint,
-                replay_endpoint=replay_endpoint,
-                codec=zmq_codec,
-                replays=feed.replay,
-                buffer=cfg.events_buffer,
-            )
-            zmq.start()
-            publisher.sinks = [zmq]
-            log.info("kv events: pub=%s replay=%s", zmq.endpoint, zmq.replay_endpoint)
-            return zmq
-
     role = PublisherRole(
-        publisher=publisher, index=index, coordinator=coordinator, open_zmq=open_zmq, poll_s=cfg.events_poll_s
+        publisher=publisher,
+        index=index,
+        coordinator=coordinator,
+        sockets=outlet.bound if outlet is not None else None,
+        wake=parts.wake,
+        poll_s=cfg.events_poll_s,
     )
-    writer.committed = role.wake
-    writer.config_stored = models.learn
     role.start()
     try:
-        yield Events(writer=writer, feed=feed, role=role)
+        yield Events(writer=parts.writer, feed=feed, role=role)
     finally:
         feed.end_streams()
-        await writer.close()
+        await parts.writer.close()
         await role.close()

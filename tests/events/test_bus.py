@@ -44,8 +44,7 @@ def test_refused_event_dropped_alone_and_batches_split_by_model(tmp_path: Path) 
             sink = Sink(codec)
             models = ModelNames(lookup)
             publisher = Publisher(index=index, sinks=[sink], codec=codec, topics=Topics(), models=models)
-            writer = EventWriter(index=index)
-            writer.config_stored = models.learn
+            writer = EventWriter(index=index, config_stored=models.learn)
             await publisher.resume()
             first = publisher.next_seq
             for i, (ns, parent) in enumerate([(A, "ab" * 8), (B, "a" * 17), (B, None), (A, None), (A, "cd" * 32)]):

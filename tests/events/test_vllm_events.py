@@ -84,6 +84,7 @@ def test_vllm_classes_decode_store_overwrite_delete_evict_and_replay(vllm_python
                 removed(b),
             ]
             later = [stored(c), stored(d), removed(a), stored(e)]
+            subscribed = hello(gw.url)["next_seq"]  # the batches of ``expected`` are numbered below it
             proc = subprocess.Popen(
                 [
                     vllm_python,
@@ -117,7 +118,8 @@ def test_vllm_classes_decode_store_overwrite_delete_evict_and_replay(vllm_python
         assert got["seqs"] == list(range(first, first + len(got["seqs"])))
         assert all(got["exact"])  # each payload is what vLLM's own encoder writes for it
         assert set(got["topics"]) == {"kv@pool:kvgate@test-org/test-model"}  # the model name from the config
-        assert set(got["seqs"][:4]) <= set(got["replayed"])  # the batches before it subscribed came by replay
+        before = [seq for seq in got["seqs"] if seq < subscribed]  # a round may put several events in one batch
+        assert before and set(before) <= set(got["replayed"])  # the batches before it subscribed came by replay
     finally:
         gw.stop()
 

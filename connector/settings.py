@@ -93,14 +93,53 @@ class _Parsed:
         return cls(**values)
 
 
+class _ClientFields(typing.TypedDict, total=False):
+    """What a way into vLLM names in its own keys; the client's defaults stand for the rest."""
+
+    base_url: typing.Required[str]
+    connect_timeout_s: float
+    request_timeout_s: float
+    lookup_timeout_s: float
+    max_inflight_bytes: int
+    retries: int
+    down_cooldown_s: float
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ConnectorSettings(_Parsed):
+class _ClientSettings(_Parsed):
+    """The keys both ways into vLLM share, and the ONE mapping of a way's keys onto the client's configuration."""
+
+    max_connections: int = 32
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    checksum: str = CRC64NVME
+
+    def __post_init__(self) -> None:
+        _check_algorithm(self.WHERE, self.checksum)
+
+    def client_config(self) -> ClientConfig:
+        return ClientConfig(
+            checksum=self.checksum,
+            max_connections=self.max_connections,
+            ca_file=self.ca_file,
+            cert_file=self.cert_file,
+            key_file=self.key_file,
+            **self._client_fields(),
+        )
+
+    def _client_fields(self) -> _ClientFields:
+        """The client's fields from this way's own keys (its names, units and defaults)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConnectorSettings(_ClientSettings):
     """``kv_connector_extra_config`` of the standalone ``KVGateConnector`` (connector/vllm.py)."""
 
     WHERE: typing.ClassVar[str] = "kv_connector_extra_config"
 
     url: str = "http://127.0.0.1:8750"
-    max_connections: int = 32
     timeout_s: float = 30.0
     lookup_timeout_s: float = 2.0
     lookup_wait_ms: float = 20.0
@@ -111,38 +150,25 @@ class ConnectorSettings(_Parsed):
     load_buffers: int = 4
     load: bool = True
     store: bool = True
-    ca_file: str | None = None
-    cert_file: str | None = None
-    key_file: str | None = None
-    checksum: str = CRC64NVME
 
-    def __post_init__(self) -> None:
-        _check_algorithm(self.WHERE, self.checksum)
-
-    def client_config(self) -> ClientConfig:
-        return ClientConfig(
-            base_url=self.url,
-            checksum=self.checksum,
-            max_connections=self.max_connections,
-            request_timeout_s=self.timeout_s,
-            lookup_timeout_s=self.lookup_timeout_s,
-            max_inflight_bytes=self.max_inflight_mib * MIB,
-            retries=self.retries,
-            ca_file=self.ca_file,
-            cert_file=self.cert_file,
-            key_file=self.key_file,
-        )
+    def _client_fields(self) -> _ClientFields:
+        return {
+            "base_url": self.url,
+            "request_timeout_s": self.timeout_s,
+            "lookup_timeout_s": self.lookup_timeout_s,
+            "max_inflight_bytes": self.max_inflight_mib * MIB,
+            "retries": self.retries,
+        }
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class TierSettings(_Parsed):
+class TierSettings(_ClientSettings):
     """The tier's entry of ``secondary_tiers`` (connector/vllm_tier.py), without the keys vLLM keeps."""
 
     WHERE: typing.ClassVar[str] = "KVGateTier"
 
     url: str
     max_inflight_bytes: int = 256 * MIB
-    max_connections: int = 32
     connect_timeout_s: float = 0.5
     lookup_timeout_s: float = 0.5
     transfer_timeout_s: float = 30.0
@@ -151,26 +177,14 @@ class TierSettings(_Parsed):
     lookup_batch_keys: int = 4096
     enable_kv_events: bool = False
     locality: str | None = None
-    ca_file: str | None = None
-    cert_file: str | None = None
-    key_file: str | None = None
-    checksum: str = CRC64NVME
 
-    def __post_init__(self) -> None:
-        _check_algorithm(self.WHERE, self.checksum)
-
-    def client_config(self) -> ClientConfig:
-        return ClientConfig(
-            base_url=self.url.rstrip("/"),
-            checksum=self.checksum,
-            max_connections=self.max_connections,
-            connect_timeout_s=self.connect_timeout_s,
-            request_timeout_s=self.transfer_timeout_s,
-            lookup_timeout_s=self.lookup_timeout_s,
-            max_inflight_bytes=self.max_inflight_bytes,
-            retries=self.retries,
-            down_cooldown_s=self.down_cooldown_s,
-            ca_file=self.ca_file,
-            cert_file=self.cert_file,
-            key_file=self.key_file,
-        )
+    def _client_fields(self) -> _ClientFields:
+        return {
+            "base_url": self.url.rstrip("/"),
+            "connect_timeout_s": self.connect_timeout_s,
+            "request_timeout_s": self.transfer_timeout_s,
+            "lookup_timeout_s": self.lookup_timeout_s,
+            "max_inflight_bytes": self.max_inflight_bytes,
+            "retries": self.retries,
+            "down_cooldown_s": self.down_cooldown_s,
+        }

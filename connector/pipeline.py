@@ -48,6 +48,8 @@ class PipelineStats:
     failed_blocks: int = 0
     loaded_blocks: int = 0
     load_errors: int = 0
+    load_waits: int = 0
+    """Idle steps that waited for a load in flight (``finished_loads`` with ``wait_s``) instead of returning."""
 
 
 @dataclass(slots=True)
@@ -75,6 +77,8 @@ class WorkerPipeline:
         self.tp_rank = tp_rank
         self.stats = PipelineStats()
         self._lock = threading.Lock()
+        self._load_done = threading.Condition(self._lock)
+        """Notified (under ``_lock``) when a load completes: an idle step's ``finished_loads`` waits on it."""
         self._stores: dict[str, _Pending] = {}
         self._loads: dict[str, tuple[BlockJob, concurrent.futures.Future[set[int]]]] = {}
         self._ever_stored: set[str] = set()
@@ -266,8 +270,13 @@ class WorkerPipeline:
         fut = self.client.submit(self._load(job, after))
         with self._lock:
             self._loads[job.req_id] = (job, fut)
-        fut.add_done_callback(lambda _: self._done_loads.append(job.req_id))
+        fut.add_done_callback(lambda _: self._loaded(job.req_id))
         return fut
+
+    def _loaded(self, req_id: str) -> None:
+        with self._load_done:
+            self._done_loads.append(req_id)
+            self._load_done.notify_all()
 
     async def _load(self, job: BlockJob, after: Sequence[CopyEvent] | None) -> set[int]:
         n = len(job.hashes)
@@ -321,10 +330,17 @@ class WorkerPipeline:
             )
             await handle.wait()
 
-    def finished_loads(self) -> dict[str, set[int]]:
-        """Loads that completed since the last call: request id -> block ids that failed to load."""
+    def finished_loads(self, *, wait_s: float = 0.0) -> dict[str, set[int]]:
+        """Loads that completed since the last call: request id -> block ids that failed to load.
+
+        ``wait_s`` > 0 (an engine step with nothing scheduled): when none has completed yet and some are in flight,
+        wait up to ``wait_s`` for the first to complete, with the GIL released, instead of returning at once: an
+        engine that steps again at once spins, and holds the GIL and a core that the loads need."""
         done: dict[str, set[int]] = {}
-        with self._lock:
+        with self._load_done:
+            if wait_s > 0 and not self._done_loads and self._loads:
+                self.stats.load_waits += 1
+                self._load_done.wait_for(lambda: bool(self._done_loads), timeout=wait_s)
             while self._done_loads:  # only the loads that completed: never a walk over every live load
                 req_id = self._done_loads.popleft()
                 if (entry := self._loads.get(req_id)) is None or not entry[1].done():

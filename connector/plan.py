@@ -2,8 +2,10 @@
 
 connector/vllm.py feeds it plain values (request ids, block hashes, block ids per KV-cache group, token counts)
 and ships the ``StepPlan`` it builds to the workers. One ``POST /v1/lookup`` per request decides the hit; the
-lookup runs on the client's loop and is picked up by a later call (``None``: "ask again"), so the scheduler never
-waits on the network for longer than ``lookup_wait_s``.
+lookup runs on the client's loop and is picked up by a later call (``None``: "ask again"). A step that has work never
+waits on the network; a step with nothing scheduled (``build(idle=True)``) first waits up to ``lookup_wait_s`` for a
+lookup in flight, and tells the workers, which wait for their loads in flight (connector/pipeline.py): an engine that
+stepped again at once would spin, holding the GIL and a core that the lookups and loads need.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class StepPlan:
     stores: list[BlockJob] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     """Requests preempted this step: their blocks go back to vLLM's free pool before the next forward pass."""
+    idle: bool = False
+    """Nothing is scheduled this step: the workers may wait for their loads in flight instead of returning."""
 
 
 @dataclass(slots=True)
@@ -104,6 +108,10 @@ class SchedulerPlanner:
         self.load_enabled = load_enabled
         self.store_enabled = store_enabled
         self._requests: dict[str, _Request] = {}
+        self._lookups: set[concurrent.futures.Future[tuple[int, list[LookupSlot]]]] = set()
+        """Lookups whose answer ``matched_tokens`` has not read yet (an idle step waits on them)."""
+        self.lookup_waits = 0
+        """Idle steps that waited for a lookup in flight."""
         self._plan = StepPlan()
 
     def _hashes(self, req: _Request, upto: int | None = None) -> list[bytes]:
@@ -136,10 +144,12 @@ class SchedulerPlanner:
             if not hashes:
                 return 0
             req.lookup = self.client.submit(self.client.lookup(self.keys.keys(hashes)))
+            self._lookups.add(req.lookup)
+        if not req.lookup.done():
+            return None  # never waited for here: the step may have work (an idle step waits in ``build``)
+        self._lookups.discard(req.lookup)
         try:
-            prefix, _ = req.lookup.result(timeout=self.lookup_wait_s)
-        except concurrent.futures.TimeoutError:
-            return None
+            prefix, _ = req.lookup.result()
         except ConnectorError as exc:
             log.warning("lookup failed req=%s: %s", req_id, exc)
             return 0
@@ -211,9 +221,23 @@ class SchedulerPlanner:
     def preempted(self, req_ids: Iterable[str]) -> None:
         self._plan.preempted.extend(req_ids)
 
-    def build(self) -> StepPlan:
+    def build(self, *, idle: bool = False) -> StepPlan:
+        """The step's plan. ``idle``: nothing is scheduled this step; wait up to ``lookup_wait_s`` for a lookup in
+        flight first (the engine has nothing else to do), and let the workers wait for their loads."""
+        if idle:
+            self.wait_for_lookups(timeout_s=self.lookup_wait_s)
         plan, self._plan = self._plan, StepPlan()
+        plan.idle = idle
         return plan
+
+    def wait_for_lookups(self, *, timeout_s: float) -> bool:
+        """Wait (GIL released) until a lookup in flight completes, at most ``timeout_s``; False when none was in
+        flight, or one already has an answer that the next step will read."""
+        if not self._lookups or timeout_s <= 0 or any(f.done() for f in self._lookups):
+            return False
+        self.lookup_waits += 1
+        concurrent.futures.wait(self._lookups, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED)
+        return True
 
     def finished(self, req_id: str) -> bool:
         """Forget ``req_id``; True when stores were planned for it (its blocks must outlive their copies)."""
@@ -222,6 +246,7 @@ class SchedulerPlanner:
             return False
         if req.lookup is not None:
             req.lookup.cancel()
+            self._lookups.discard(req.lookup)
         return req.stored > req.present
 
     @property

@@ -143,6 +143,9 @@ class ConnectorSettings(_ClientSettings):
     timeout_s: float = 30.0
     lookup_timeout_s: float = 2.0
     lookup_wait_ms: float = 20.0
+    """The longest an engine step with nothing scheduled waits for a lookup in flight (a step with work: never)."""
+    load_wait_ms: float = 20.0
+    """The longest an engine step with nothing scheduled waits for a load in flight (a step with work: never)."""
     max_inflight_mib: int = 1024
     retries: int = 3
     blocks_per_batch: int = 16

@@ -7,7 +7,10 @@
 Loads are asynchronous: ``get_num_new_matched_tokens`` answers from one ``POST /v1/lookup`` per request (``None``
 while it is in flight), the worker fetches and scatters between steps and reports the request in
 ``get_finished``; blocks that could not be loaded are reported by ``get_block_ids_with_load_errors`` and vLLM
-recomputes them. Stores are best effort: a block that does not fit the bounded buffers is dropped and counted.
+recomputes them. A step with work never waits on the network. A step with nothing scheduled waits, bounded, for a
+lookup (``build_connector_meta``) or a load (``get_finished``) in flight instead of returning at once: the engine
+would step again at once, thousands of times a second, holding the GIL and a core that the loads need. Stores are
+best effort: a block that does not fit the bounded buffers is dropped and counted.
 """
 
 from __future__ import annotations
@@ -164,6 +167,7 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if not self.shape.movable:
             log.warning("kvgate: a KV-cache group is not full attention; loads and stores are off")
         self.client = BlockClient(settings.client_config())
+        self._load_wait_s = settings.load_wait_ms / 1000
         self.planner: SchedulerPlanner | None = None
         self.pipeline: WorkerPipeline | None = None
         self._loading: set[str] = set()
@@ -241,7 +245,9 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 replace=req_id in cached.resumed_req_ids,
             )
         self.planner.preempted(scheduler_output.preempted_req_ids or ())
-        return KVGateConnectorMetadata(self.planner.build())
+        # nothing scheduled: the engine has nothing to do but wait for lookups and loads, so it waits for them
+        # (bounded) instead of stepping again at once; a step with work never waits
+        return KVGateConnectorMetadata(self.planner.build(idle=scheduler_output.total_num_scheduled_tokens == 0))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.planner is None:
@@ -330,7 +336,9 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             return None, None
         sending = self.pipeline.finished_stores(finished_req_ids)
         recving = set()
-        for req_id, failed in self.pipeline.finished_loads().items():
+        plan = self._plan()
+        wait_s = self._load_wait_s if plan is not None and plan.idle else 0.0
+        for req_id, failed in self.pipeline.finished_loads(wait_s=wait_s).items():
             recving.add(req_id)
             self._loading.discard(req_id)
             self._load_errors |= failed

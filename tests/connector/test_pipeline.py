@@ -279,10 +279,17 @@ def test_scheduler_plans_one_lookup_loads_and_stores(bc: BlockClient) -> None:
     )
     live = list(hs)
     tokens = list(range(100, 100 + 5 * BLOCK + 3))  # vLLM's all_token_ids of the request
-    got = planner.matched_tokens(
-        req_id="q", block_hashes=live, num_tokens=5 * BLOCK + 3, num_computed_tokens=0, token_ids=tokens
-    )
-    assert got == 3 * BLOCK
+
+    def matched(req_id: str, hashes_: list[bytes], num_tokens: int) -> int | None:
+        """As vLLM asks: "ask again" (None) until the lookup answered; an idle step waits for it (``build``)."""
+        kw = {"req_id": req_id, "block_hashes": hashes_, "num_tokens": num_tokens, "num_computed_tokens": 0}
+        got = planner.matched_tokens(**kw, token_ids=tokens[:num_tokens])
+        if got is None:
+            assert planner.build(idle=True).loads == []
+            got = planner.matched_tokens(**kw, token_ids=tokens[:num_tokens])
+        return got
+
+    assert matched("q", live, 5 * BLOCK + 3) == 3 * BLOCK
     planner.after_alloc(req_id="q", block_ids=[[9, 8, 7, 6, 5, 4]], num_external_tokens=3 * BLOCK)
     planner.scheduled(req_id="q", new_block_ids=None, num_computed_tokens=3 * BLOCK, num_scheduled_tokens=2 * BLOCK + 3)
     plan = planner.build()
@@ -294,8 +301,7 @@ def test_scheduler_plans_one_lookup_loads_and_stores(bc: BlockClient) -> None:
     assert plan.stores == [BlockJob(req_id="q", hashes=hs[3:5], block_ids=((6, 5),), metas=metas)]
     assert planner.build().loads == []
     # everything present: the last block is left for vLLM to compute
-    got = planner.matched_tokens(req_id="z", block_hashes=list(hs[:3]), num_tokens=3 * BLOCK, num_computed_tokens=0)
-    assert got == 2 * BLOCK
+    assert matched("z", list(hs[:3]), 3 * BLOCK) == 2 * BLOCK
     assert planner.finished("q") is True  # stores were planned: vLLM must keep its blocks until the copies are done
     assert planner.finished("z") is False
     assert planner.tracked == 0

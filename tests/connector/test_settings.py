@@ -25,7 +25,7 @@ def test_defaults_are_the_old_ones() -> None:
         max_inflight_bytes=1024 * 1024 * 1024,
         retries=3,
     )
-    assert (s.lookup_wait_ms, s.load, s.store) == (20.0, True, True)
+    assert (s.lookup_wait_ms, s.load_wait_ms, s.load, s.store) == (20.0, 20.0, True, True)
     assert (s.blocks_per_batch, s.store_buffers, s.load_buffers) == (16, 8, 4)
 
 

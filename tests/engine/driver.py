@@ -4,9 +4,13 @@
 
 SPEC: ``model`` (dir), ``dtype``, ``prompts`` (texts, generated in order), ``max_tokens``, ``url`` (the gateway;
 absent: no connector), ``extra`` (more ``kv_connector_extra_config``), ``tp`` (tensor-parallel size), ``block_size``,
-``wait_blocks`` (after prompt i, wait until the gateway holds that many blocks), ``warmup`` (a short prompt first).
+``wait_blocks`` (after prompt i, wait until the gateway holds that many blocks), ``warmup`` (a short prompt first,
+with the timed calls' sampling settings), ``gated`` (``{"hit", "miss"}``: tests/engine/probes.py; it needs an
+in-process engine, the default here at TP=1: ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` runs the engine core in its own
+process, as ``vllm serve`` does).
 OUT: per prompt the prompt and output token ids, the sampled tokens' logprobs, the wall time of its generate call
-and the ``vllm:external_prefix_cache_hits`` / ``vllm:prefix_cache_hits`` counters it added.
+and the ``vllm:external_prefix_cache_hits`` / ``vllm:prefix_cache_hits`` counters it added; ``gated`` when asked
+for.
 """
 
 from __future__ import annotations
@@ -64,7 +68,11 @@ def main() -> None:
     startup_s = time.monotonic() - t0
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), logprobs=0, ignore_eos=True)
     if spec.get("warmup"):  # a short unrelated prompt first: the first forward of a process pays one-off costs
-        llm.generate(["warm up " * 8], SamplingParams(max_tokens=1), use_tqdm=False)
+        # the same sampling settings as the timed calls: a warm-up without logprobs leaves their kernel's first
+        # compile (seconds here) to the first timed call
+        llm.generate(["warm up " * 8], params, use_tqdm=False)
+    from tests.engine import probes
+
     results = []
     waits = spec.get("wait_blocks") or []
     for i, prompt in enumerate(spec["prompts"]):
@@ -85,7 +93,9 @@ def main() -> None:
         )
         if spec.get("url") and i < len(waits):
             wait_stored(spec["url"], waits[i])
-    doc = {"startup_s": startup_s, "results": results}
+    doc: dict[str, Any] = {"startup_s": startup_s, "results": results}
+    if spec.get("gated"):
+        doc["gated"] = probes.gated(llm, params, **spec["gated"])
     Path(sys.argv[2]).write_text(json.dumps(doc))
     llm.llm_engine.engine_core.shutdown()
 

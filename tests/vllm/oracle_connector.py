@@ -84,6 +84,16 @@ def kv_tensors(seed: int) -> dict[str, torch.Tensor]:
     }
 
 
+def matched(sched: KVGateConnector, request: Request) -> tuple[int | None, bool]:
+    """As vLLM's scheduler asks: "ask again" (None) while the lookup is in flight; a step with nothing scheduled
+    waits for it (build_connector_meta), and the next one reads the answer."""
+    got = sched.get_num_new_matched_tokens(request, 0)
+    if got[0] is None:
+        sched.build_connector_meta(SchedulerOutput.make_empty())
+        got = sched.get_num_new_matched_tokens(request, 0)
+    return got
+
+
 def check_roles(url: str, model_dir: str) -> dict[str, object]:
     vc, kc = configs(url, model_dir)
     sched = KVConnectorFactory.create_connector(vc, KVConnectorRole.SCHEDULER, kc)
@@ -101,7 +111,7 @@ def check_roles(url: str, model_dir: str) -> dict[str, object]:
         block_hasher=get_request_block_hasher(BLOCK, sha256),
     )
     hashes = tuple(bytes(h) for h in request.block_hashes)
-    before = sched.get_num_new_matched_tokens(request, 0)
+    before = matched(sched, request)
     writer.bind_connector_metadata(
         KVGateConnectorMetadata(StepPlan(stores=[BlockJob(req_id="w", hashes=hashes, block_ids=((0, 1, 2),))]))
     )
@@ -118,7 +128,7 @@ def check_roles(url: str, model_dir: str) -> dict[str, object]:
     keys = sched.planner.keys.keys(list(hashes))
     prefix, _ = sched.client.run(sched.client.lookup(keys))
     sched.request_finished(request, [])
-    after = sched.get_num_new_matched_tokens(request, 0)
+    after = matched(sched, request)
     reader.bind_connector_metadata(
         KVGateConnectorMetadata(StepPlan(loads=[BlockJob(req_id="r", hashes=hashes, block_ids=((5, 6, 7),))]))
     )

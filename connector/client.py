@@ -31,31 +31,22 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import aiohttp
 
+from connector import body
 from connector.budget import ByteBudget
 from connector.checksums import checksum_off_loop
-from connector.client_tls import client_ssl_context, tls_failure
+from connector.client_tls import check_tls, client_ssl_context, tls_failure
 from connector.errors import ConnectorError as ConnectorError
 from connector.errors import GatewayRejected as GatewayRejected
 from connector.errors import GatewayTLSError as GatewayTLSError
 from connector.errors import GatewayUnavailable as GatewayUnavailable
 from contract import wire
-from contract.wire import (
-    BLOCK_META_HEADER,
-    CHECKSUM_HEADER,
-    CRC64NVME,
-    PART_CHECKSUM_HEADER,
-    RANGE_CHECKSUM_HEADER,
-    RANGE_DIGEST_HEADER,
-    SHA256,
-    Checksum,
-    WireError,
-)
+from contract.wire import BLOCK_META_HEADER, CHECKSUM_HEADER, CRC64NVME, PART_CHECKSUM_HEADER
 from contract.wire import retry_after_s as retry_after_s
 
 log = logging.getLogger("kvgate.connector.client")
@@ -132,7 +123,10 @@ class BlockClient:
         try:
             self._session: aiohttp.ClientSession = self.run(self._open(), timeout_s=10.0)
             if config.check_tls_on_start and config.base_url.lower().startswith("https://"):
-                self.run(self._check_tls(), timeout_s=config.connect_timeout_s + config.request_timeout_s)
+                self.run(
+                    check_tls(self._session, self.config.base_url),
+                    timeout_s=config.connect_timeout_s + config.request_timeout_s,
+                )
         except BaseException:
             self.close()
             raise
@@ -221,10 +215,19 @@ class BlockClient:
 
     # -- requests --------------------------------------------------------------------------------------------
 
-    async def _request(self, method: str, path: str, *, timeout_s: float | None = None, **kw: Any) -> tuple[int, Any]:
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        timeout_s: float | None = None,
+        read: Callable[[aiohttp.ClientResponse], Awaitable[Any]] | None = None,
+        **kw: Any,
+    ) -> tuple[int, Any]:
         """One request with retries; returns (status, (headers, body)).
 
-        Retried: connection errors, timeouts and 502/503/504; every other status is returned as it is. Raises
+        ``read``: reads the body of an answer that is not retried (default: all of it, as bytes). Retried:
+        connection errors, timeouts and 502/503/504; every other status is returned as it is. Raises
         GatewayUnavailable (and opens the circuit) when the retries run out, or at once while the circuit is open.
         """
         if self.gateway_down:
@@ -243,15 +246,17 @@ class BlockClient:
             wait = None
             try:
                 async with self._session.request(method, path, **kw) as resp:
-                    body = await _read_body(resp) if method != "HEAD" else b""
                     if resp.status in RETRY_STATUSES:
-                        last = f"{resp.status} {body[:200]!r}"
+                        text = await resp.read() if method != "HEAD" else b""
+                        last = f"{resp.status} {text[:200]!r}"
                         asked = wire.retry_after_s(resp.headers.get("Retry-After"))
                         if asked is not None:
                             wait = min(asked, self.config.max_retry_after_s)
                         continue
-                    return resp.status, (resp.headers, body)
-            except (aiohttp.ClientConnectionError, ConnectionError) as exc:
+                    if read is not None:
+                        return resp.status, (resp.headers, await read(resp))
+                    return resp.status, (resp.headers, await body.read_all(resp) if method != "HEAD" else b"")
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError) as exc:
                 if (tls := tls_failure(exc)) is not None:  # configuration: no retry, and a pause as for an outage
                     log.error("TLS to the gateway %s failed: %s", self.config.base_url, tls)
                     self._down_until = time.monotonic() + self.config.down_cooldown_s
@@ -261,38 +266,6 @@ class BlockClient:
                 last = f"timeout: {exc}"
         self._open_circuit(last[:200])  # not answering even after the retries: fail fast for a while
         raise GatewayUnavailable(f"{method} {path[:120]} failed: {last}")
-
-    async def _check_tls(self) -> None:
-        """GET /healthz once: GatewayTLSError on a certificate problem; a gateway that is down only logs a warning.
-
-        A gateway that refuses the client's certificate (none, expired, another CA) ends the handshake by closing
-        the connection: uvloop and asyncio drop the TLS alert. Every kvgate answers /healthz, so a connection
-        closed after the handshake without a byte of answer is reported as that refusal.
-        """
-        try:
-            async with self._session.get("/healthz") as resp:
-                await resp.read()
-        except aiohttp.ClientConnectorError as exc:  # no connection at all (or a handshake that failed): below
-            tls = tls_failure(exc)
-            if tls is not None:
-                raise GatewayTLSError(f"TLS to the gateway {self.config.base_url} failed: {tls}") from exc
-            log.warning("gateway %s not reachable at start-up (TLS not checked yet): %s", self.config.base_url, exc)
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-            # connected, then closed or reset with no answer: on a busy gateway the close of a refused handshake
-            # can arrive as a reset rather than a clean disconnect
-            tls = tls_failure(exc)
-            if tls is not None:
-                raise GatewayTLSError(f"TLS to the gateway {self.config.base_url} failed: {tls}") from exc
-            raise GatewayTLSError(
-                f"TLS to the gateway {self.config.base_url} failed: the gateway closed the connection after the "
-                "handshake without answering: it refused this client's certificate (none configured, expired, or "
-                "not signed by a CA in its tls_client_ca)"
-            ) from exc
-        except (aiohttp.ClientConnectionError, ConnectionError, TimeoutError) as exc:
-            tls = tls_failure(exc)
-            if tls is not None:
-                raise GatewayTLSError(f"TLS to the gateway {self.config.base_url} failed: {tls}") from exc
-            log.warning("gateway %s not reachable at start-up (TLS not checked yet): %s", self.config.base_url, exc)
 
     async def put(
         self,
@@ -345,29 +318,80 @@ class BlockClient:
         ``X-KVGate-Range-SHA256``); a 200 answer to a range request as the whole object, then sliced. An answer with
         nothing to check against is refused.
         """
-        headers = {}
-        if byte_range is not None:
-            headers["Range"] = wire.format_range(start=byte_range[0], end=byte_range[1])
-        status, (resp_headers, body) = await self._request("GET", f"/v1/blocks/{key}", headers=headers)
+        status, (headers, got) = await self._request("GET", f"/v1/blocks/{key}", headers=body.range_header(byte_range))
         if status == 404:
             self.stats.misses += 1
             return None
         if status not in (200, 206):
-            raise GatewayRejected(status, body[:300].decode(errors="replace"))
-        if status == 206:
-            why = await _check_range(resp_headers, body, byte_range)
-        else:
-            why = await _check_whole(resp_headers, body, expected_digest)
-            if why is None and byte_range is not None:  # an intermediary dropped the Range: our slice of the whole
-                start, end = byte_range
-                why = None if len(body) >= end else f"short read: {len(body)} bytes, the range ends at {end}"
-                body = body[start:end]
-        if why is not None:
-            self._corrupt(key, why)
+            raise GatewayRejected(status, got[:300].decode(errors="replace"))
+        view = await self._checked(key, status, headers, memoryview(got), byte_range, expected_digest)
+        if view is None:
+            return None
+        return got if view.nbytes == len(got) else bytes(view)
+
+    async def get_into(
+        self,
+        key: str,
+        into: memoryview,
+        *,
+        byte_range: tuple[int, int] | None = None,
+        expected_digest: str | None = None,
+    ) -> bool:
+        """``get`` that writes the bytes into ``into`` (exactly their size) as they arrive: no other copy of them.
+
+        True once they are there and verified as ``get`` verifies them; False on a miss, a short or long body or a
+        checksum mismatch (``into`` then holds bytes that must not be used)."""
+        size = into.nbytes
+
+        async def read(resp: aiohttp.ClientResponse) -> bytes | int:
+            if resp.status == 206 or (resp.status == 200 and byte_range is None):
+                return await body.read_into(resp, into)
+            return await resp.read()  # an error's text, or the whole object from a server that ignored Range
+
+        status, (headers, got) = await self._request(
+            "GET", f"/v1/blocks/{key}", headers=body.range_header(byte_range), read=read
+        )
+        if status == 404:
+            self.stats.misses += 1
+            return False
+        if status not in (200, 206):
+            raise GatewayRejected(status, bytes(got)[:300].decode(errors="replace"))
+        if isinstance(got, int) and got != size:
+            self._corrupt(key, f"a body of {'more than ' if got < 0 else ''}{max(got, size)} bytes, want {size}")
+            return False
+        received = into if isinstance(got, int) else memoryview(got)
+        view = await self._checked(key, status, headers, received, byte_range, expected_digest)
+        if view is None:
+            return False
+        if view.nbytes != size:
+            self._corrupt(key, f"{view.nbytes} bytes, want {size}")
+            return False
+        if view.obj is not into.obj:
+            into[:] = view
+        return True
+
+    async def _checked(
+        self,
+        key: str,
+        status: int,
+        headers: Any,
+        received: memoryview,
+        byte_range: tuple[int, int] | None,
+        expected_digest: str | None,
+    ) -> memoryview | None:
+        verdict = await body.checked(
+            status=status,
+            headers=headers,
+            body=received,
+            byte_range=byte_range,
+            expected_digest=expected_digest,
+        )
+        if isinstance(verdict, str):
+            self._corrupt(key, verdict)
             return None
         self.stats.gets += 1
-        self.stats.get_bytes += len(body)
-        return bytes(body)
+        self.stats.get_bytes += verdict.nbytes
+        return verdict
 
     def _corrupt(self, key: str, why: str) -> None:
         self.stats.corrupt_reads += 1
@@ -403,63 +427,3 @@ class BlockClient:
         status, (_, body) = await self._request("PUT", f"/v1/namespaces/{namespace}/config", json=fields)
         if status >= 300:
             raise GatewayRejected(status, body[:300].decode(errors="replace"))
-
-
-async def _read_body(resp: aiohttp.ClientResponse) -> bytes:
-    """The response's body, joined once: ``resp.read()`` joins what arrived between reads, then joins those again
-    (two copies of a 2 MiB block, each a fresh allocation whose pages fault in)."""
-    pieces = [data async for data, _ in resp.content.iter_chunks()]
-    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
-
-
-def _answer_checksum(headers: Any, name: str) -> Checksum | None:
-    """The checksum a response header carries (``<algorithm>=<base64>``); None when absent or not kvgate's grammar."""
-    value = headers.get(name)
-    if value is None:
-        return None
-    try:
-        return wire.parse_checksum(value, header=name)
-    except WireError:
-        return None
-
-
-async def _mismatch(body: bytes, want: Checksum) -> str | None:
-    got = await checksum_off_loop(body, want.algorithm)
-    return None if got == want else f"{want.algorithm} {got.hex} is not the gateway's {want.hex}"
-
-
-async def _check_whole(headers: Any, body: bytes, expected: str | None) -> str | None:
-    """Why a 200's body is not the version it says it is (None: it is)."""
-    want: Checksum | None
-    if expected is not None:
-        try:
-            want = wire.parse_checksum_token(expected.lower())
-        except ValueError:
-            return f"cannot check against {expected[:80]!r}"
-    else:
-        want = _answer_checksum(headers, CHECKSUM_HEADER) or wire.etag_checksum(headers.get("ETag"))
-    if want is None:
-        return "the answer carries no checksum to check the body against"
-    return await _mismatch(body, want)
-
-
-async def _check_range(headers: Any, body: bytes, byte_range: tuple[int, int] | None) -> str | None:
-    """Why a 206's body is not the range asked for, vouched for by the gateway (None: it is)."""
-    if byte_range is None:
-        return "a 206 answer to a request for the whole object"
-    start, end = byte_range
-    try:
-        span = wire.parse_content_range(headers.get("Content-Range", ""))
-    except WireError:
-        return "a 206 answer without a valid Content-Range"
-    if (span.start, span.end) != (start, end) or len(body) != end - start:
-        return f"asked for bytes {start}-{end - 1}, got {span.start}-{span.end - 1} ({len(body)} bytes)"
-    want = _answer_checksum(headers, RANGE_CHECKSUM_HEADER)
-    if want is None and (legacy := headers.get(RANGE_DIGEST_HEADER)) is not None:  # an earlier gateway
-        try:
-            want = Checksum(SHA256, legacy.lower())
-        except ValueError:
-            return f"{RANGE_DIGEST_HEADER} is not a sha256"
-    if want is None:
-        return "the gateway sent no checksum of the range: it cannot be verified"
-    return await _mismatch(body, want)

@@ -31,8 +31,9 @@ from collections import deque
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-from connector.client import BlockClient, ConnectorError
+from connector.client import BlockClient
 from connector.layout import BlockGeometry, rank_byte_range
+from connector.loader import BlockLoader
 from connector.plan import BlockJob
 from connector.streams import CopyEvent, StreamOps
 from connector.transfer import BlockTransfer, StagedBatch
@@ -88,6 +89,12 @@ class WorkerPipeline:
         """Group -> newest store copy the forward stream has not been ordered after yet."""
         self._newest: dict[int, CopyEvent] = {}
         self._done_loads: deque[str] = deque()
+        self._loader = BlockLoader(
+            client=client,
+            naming=naming,
+            transfers=self.transfers,
+            ranges=[None if (r := self.part_range(t)) is None else r[:2] for t in self.transfers],
+        )
         for streams in {id(t.streams): t.streams for t in self.transfers if t.streams is not None}.values():
             client.run(_bind(streams), timeout_s=30.0)  # the loop thread's CUDA calls go to the KV's device
 
@@ -280,55 +287,12 @@ class WorkerPipeline:
 
     async def _load(self, job: BlockJob, after: Sequence[CopyEvent] | None) -> set[int]:
         n = len(job.hashes)
-        window = min(t.max_blocks_per_batch for t in self.transfers)
-        loaded = 0
-        try:
-            while loaded < n:
-                got = await self._fetch_window(job, loaded, min(n, loaded + window))
-                good = next((i for i, blocks in enumerate(got) if blocks is None), len(got))
-                if good:
-                    await self._scatter(job, loaded, [b for b in got[:good] if b is not None], after)
-                loaded += good
-                if good < len(got):  # a block of this window is missing: the rest is recomputed
-                    break
-        except (ConnectorError, OSError, ValueError) as exc:
-            log.error("load failed req=%s after %d of %d blocks: %s", job.req_id, loaded, n, exc)
+        loaded = await self._loader.load(job, after)
         failed = {bid for group in job.block_ids for bid in group[loaded:]}
         self.stats.loaded_blocks += loaded
         if failed:
             self.stats.load_errors += n - loaded
         return failed
-
-    async def _fetch_window(self, job: BlockJob, start: int, end: int) -> list[list[bytes] | None]:
-        """For each block in ``[start, end)``: its bytes per group, or None if any group's bytes are missing."""
-        ranges = [self.part_range(t) for t in self.transfers]
-
-        async def one(i: int, group: int) -> bytes | None:
-            key = self.naming.block(job.hashes[i], group)
-            part = ranges[group]
-            try:
-                return await self.client.get(key, byte_range=None if part is None else part[:2])
-            except ConnectorError as exc:
-                log.warning("load read failed key=%s: %s", key, exc)
-                return None
-
-        got = await asyncio.gather(*(one(i, g) for i in range(start, end) for g in range(len(self.transfers))))
-        per_block: list[list[bytes] | None] = []
-        width = len(self.transfers)
-        for b in range(end - start):
-            row = got[b * width : (b + 1) * width]
-            per_block.append(None if any(x is None for x in row) else [x for x in row if x is not None])
-        return per_block
-
-    async def _scatter(
-        self, job: BlockJob, start: int, blocks: list[list[bytes]], after: Sequence[CopyEvent] | None
-    ) -> None:
-        for group, transfer in enumerate(self.transfers):
-            ids = job.block_ids[group][start : start + len(blocks)]
-            handle = await transfer.scatter_many(
-                ids, [b[group] for b in blocks], after=None if after is None else after[group]
-            )
-            await handle.wait()
 
     def finished_loads(self, *, wait_s: float = 0.0) -> dict[str, set[int]]:
         """Loads that completed since the last call: request id -> block ids that failed to load.

@@ -21,7 +21,9 @@ Callers must keep vLLM from reusing the blocks until the copy's event is done: i
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import inspect
 import logging
 import math
 from collections.abc import Iterator, Sequence
@@ -73,7 +75,9 @@ def one_copy_thread() -> Iterator[None]:
     its slowest thread to be scheduled: 0.3x of a raw PUT with one other busy process, 1.1x on one thread
     (``python -m benchmarks.connector_pipeline --busy 1``). The caller's setting is restored after."""
     threads = torch.get_num_threads()
-    if threads == 1:
+    if threads == 1 or not inspect.isbuiltin(torch.set_num_threads):
+        # vLLM's CPU worker binds its OpenMP threads to cores and replaces torch.set_num_threads (a builtin) with a
+        # Python stub that only warns: the engine's setting stands (and a warning per copy would flood its log)
         yield
         return
     torch.set_num_threads(1)
@@ -214,13 +218,15 @@ class BlockTransfer:
                 return
         buffer.release()
 
-    def _staging(self, n: int, heads: range, buffer: HostBuffer) -> torch.Tensor:
+    def _staging(self, n: int, heads: range, buffer: HostBuffer) -> tuple[torch.Tensor, bool]:
+        """The canonical ``(block, head, layer, k|v, token, word)`` view that copies go through, and whether it IS
+        the host buffer (no streams: the KV is in host memory, and the buffer is read or written in place)."""
         g, row = self.geometry, self._layers[0]
         shape = (n, len(heads), g.num_layers, 2, g.block_size, row.shape[-1])
-        if buffer.staging is None:
-            return torch.empty(shape, dtype=row.dtype, device=self.device)
         nbytes = math.prod(shape) * row.element_size()
-        return buffer.staging[:nbytes].view(row.dtype).view(shape)
+        if buffer.staging is None:
+            return buffer.tensor[:nbytes].view(row.dtype).view(shape), True
+        return buffer.staging[:nbytes].view(row.dtype).view(shape), False
 
     def gather(
         self, block_ids: Sequence[int], *, heads: range | None = None, after: CopyEvent | None = None
@@ -236,12 +242,13 @@ class BlockTransfer:
         head_dim, perm = self.layout.head_dim, self.layout.to_canonical
         try:
             with self._on(self._store_stream, block_ids, after) as (host_ids, ids):
-                staging = self._staging(len(block_ids), sel, buffer)
+                staging, in_place = self._staging(len(block_ids), sel, buffer)
                 for layer, kv in enumerate(self._layers):
                     part = kv.narrow(head_dim, sel.start, len(sel)).index_select(1, ids)
                     staging[:, :, layer].copy_(part.permute(perm))
-                flat = staging.view(-1).view(torch.uint8)
-                buffer.tensor[: flat.numel()].copy_(flat, non_blocking=self._cuda)
+                if not in_place:
+                    flat = staging.view(-1).view(torch.uint8)
+                    buffer.tensor[: flat.numel()].copy_(flat, non_blocking=self._cuda)
                 event = self._record(self._store_stream)
         except BaseException:
             self._give_back(buffer, self._store_stream)
@@ -300,9 +307,10 @@ class BlockTransfer:
                     buffer.view[i * nbytes : (i + 1) * nbytes] = memoryview(d).cast("B")
             queued = self._load_stream  # from here on, copies that use the buffer may be queued
             with self._on(self._load_stream, block_ids, after) as (host_ids, ids):
-                staging = self._staging(len(block_ids), sel, buffer)
-                flat = staging.view(-1).view(torch.uint8)
-                flat.copy_(buffer.tensor[: flat.numel()], non_blocking=self._cuda)
+                staging, in_place = self._staging(len(block_ids), sel, buffer)
+                if not in_place:
+                    flat = staging.view(-1).view(torch.uint8)
+                    flat.copy_(buffer.tensor[: flat.numel()], non_blocking=self._cuda)
                 for layer, kv in enumerate(self._layers):
                     dest = kv.narrow(head_dim, sel.start, len(sel))
                     dest.index_copy_(1, ids, staging[:, :, layer].permute(perm))
@@ -311,6 +319,22 @@ class BlockTransfer:
             self._give_back(buffer, queued)
             raise
         return LoadHandle(parts=[(event, buffer)], streams=self.streams, waiter=self.waiter, keep=[host_ids])
+
+    async def scatter_filled(
+        self,
+        block_ids: Sequence[int],
+        buffer: HostBuffer,
+        *,
+        heads: range | None = None,
+        after: CopyEvent | None = None,
+    ) -> LoadHandle:
+        """``scatter`` of a held load buffer that already holds the blocks back to back (read into it from the
+        network). With streams the copies are queued from the calling thread (the loop thread is bound to the
+        device); without (host memory) they run as they are issued, so on a worker thread: the loop goes on
+        reading the next blocks meanwhile."""
+        if self.streams is not None:
+            return self.scatter(block_ids, None, heads=heads, buffer=buffer, after=after)
+        return await asyncio.to_thread(self.scatter, block_ids, None, heads=heads, buffer=buffer, after=after)
 
     async def scatter_many(
         self,

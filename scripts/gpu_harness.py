@@ -62,6 +62,17 @@ class MemoryClient:
     async def get(self, key: str, *, byte_range: Any = None, expected_digest: Any = None) -> bytes | None:
         return self.objects.get(key)
 
+    async def get_into(
+        self, key: str, into: memoryview, *, byte_range: Any = None, expected_digest: Any = None
+    ) -> bool:
+        data = self.objects.get(key)
+        if data is not None and byte_range is not None:
+            data = data[byte_range[0] : byte_range[1]]
+        if data is None or len(data) != into.nbytes:
+            return False
+        into[:] = data
+        return True
+
     def close(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)

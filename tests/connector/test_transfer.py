@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from connector.layout import BlockGeometry, head_byte_range, heads_of, rank_byte_range
-from connector.transfer import BlockTransfer, KVLayout, PoolExhausted
+from connector.transfer import BlockTransfer, KVLayout, PoolExhausted, one_copy_thread
 
 LAYERS, HEADS, HEAD_SIZE, BLOCK, NUM_BLOCKS = 4, 8, 128, 16, 10
 DTYPES = [torch.bfloat16, torch.float16]
@@ -336,3 +336,26 @@ def test_cpu_copies_run_on_one_thread_and_the_setting_is_restored(monkeypatch: p
         assert len(seen) == 2 * LAYERS and set(seen) == {1}
     finally:
         torch.set_num_threads(before)
+
+
+def test_one_copy_thread_leaves_a_replaced_set_num_threads_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's CPU worker replaces torch.set_num_threads with a stub that only logs a warning: a copy must not call it
+    (two warnings per copy, hundreds per load); torch's own is used and the caller's setting restored."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with one_copy_thread():
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        calls: list[int] = []
+
+        def stub(n: int) -> None:  # as vLLM's CPU worker installs
+            calls.append(n)
+
+        monkeypatch.setattr(torch, "set_num_threads", stub)
+        with one_copy_thread():
+            assert torch.get_num_threads() == 2
+        assert calls == []
+    finally:
+        monkeypatch.undo()
+        torch.set_num_threads(threads)

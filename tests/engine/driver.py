@@ -5,12 +5,13 @@
 SPEC: ``model`` (dir), ``dtype``, ``prompts`` (texts, generated in order), ``max_tokens``, ``url`` (the gateway;
 absent: no connector), ``extra`` (more ``kv_connector_extra_config``), ``tp`` (tensor-parallel size), ``block_size``,
 ``wait_blocks`` (after prompt i, wait until the gateway holds that many blocks), ``warmup`` (a short prompt first,
-with the timed calls' sampling settings), ``gated`` (``{"hit", "miss"}``: tests/engine/probes.py; it needs an
-in-process engine, the default here at TP=1: ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` runs the engine core in its own
-process, as ``vllm serve`` does).
+with the timed calls' sampling settings), ``probe`` (after the prompts, the load path's parts measured alone on the
+blocks the engine loaded), ``gated`` (``{"hit", "miss", "miss_tokens"}``: tests/engine/probes.py). ``probe`` and
+``gated`` need an in-process engine (the default here at TP=1; ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` runs the engine
+core in its own process, as ``vllm serve`` does).
 OUT: per prompt the prompt and output token ids, the sampled tokens' logprobs, the wall time of its generate call
-and the ``vllm:external_prefix_cache_hits`` / ``vllm:prefix_cache_hits`` counters it added; ``gated`` when asked
-for.
+and the ``vllm:external_prefix_cache_hits`` / ``vllm:prefix_cache_hits`` counters it added; ``parts`` and
+``gated`` when asked for.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ def main() -> None:
         llm.generate(["warm up " * 8], params, use_tqdm=False)
     from tests.engine import probes
 
+    loads = probes.record_loads(probes.worker_connector()) if spec.get("probe") else []
     results = []
     waits = spec.get("wait_blocks") or []
     for i, prompt in enumerate(spec["prompts"]):
@@ -94,6 +96,8 @@ def main() -> None:
         if spec.get("url") and i < len(waits):
             wait_stored(spec["url"], waits[i])
     doc: dict[str, Any] = {"startup_s": startup_s, "results": results}
+    if spec.get("probe"):
+        doc["parts"] = probes.parts(probes.worker_connector(), loads)
     if spec.get("gated"):
         doc["gated"] = probes.gated(llm, params, **spec["gated"])
     Path(sys.argv[2]).write_text(json.dumps(doc))

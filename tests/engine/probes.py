@@ -4,11 +4,16 @@ worker's KVGateConnector (``get_kv_transfer_group()``: the worker runs in the dr
 - ``gated``: the step loop with the worker's loads held back (its client's loop is blocked): a request that misses
   runs to its end while another's load is held, and once the loads go on, the loading request needs a bounded number
   of steps (the idle steps wait for the load instead of spinning).
+- ``parts``: the load path's parts measured alone, on the blocks the engine loaded: one lookup, the GETs with their
+  checks, the scatters into the KV cache (the same bytes into the same blocks), for the benchmark's limit.
 """
 
 from __future__ import annotations
 
+import asyncio
+import statistics
 import threading
+import time
 from typing import Any
 
 GATE_SAFETY_S = 300.0
@@ -96,3 +101,61 @@ def _result(out: Any) -> dict[str, Any]:
         "token_ids": list(comp.token_ids),
         "logprobs": [lp[tok].logprob for lp, tok in zip(comp.logprobs or [], comp.token_ids, strict=True)],
     }
+
+
+def parts(conn: Any, jobs: list[Any], *, repeats: int = 3) -> list[dict[str, Any]]:
+    """For each load job: the median of ``repeats`` timings of its lookup, its GETs (with their checks, windows of
+    ``blocks_per_batch`` in flight as the loader reads them) and its scatters, each alone; bytes per job."""
+    return [_job_parts(conn, job, repeats) for job in jobs]
+
+
+def _job_parts(conn: Any, job: Any, repeats: int) -> dict[str, Any]:
+    client, pipeline = conn.client, conn.pipeline
+    transfers = pipeline.transfers
+    ranges = [None if (r := pipeline.part_range(t)) is None else r[:2] for t in transfers]
+    window = min(t.max_blocks_per_batch for t in transfers)
+    n = len(job.hashes)
+    keys = [[conn.naming.block(h, g) for g in range(len(transfers))] for h in job.hashes]
+    starts = range(0, n, window)
+
+    async def read(start: int, buffers: list[Any]) -> None:
+        async def one(i: int, g: int) -> None:
+            size = transfers[g].block_bytes()
+            view = buffers[g].view[(i - start) * size : (i - start + 1) * size]
+            if not await client.get_into(keys[i][g], view, byte_range=ranges[g]):
+                raise RuntimeError(f"probe: block {keys[i][g]} did not read")
+
+        await asyncio.gather(*(one(i, g) for i in range(start, min(n, start + window)) for g in range(len(transfers))))
+
+    async def get_all() -> float:
+        buffers = [await t.load_pool.acquire() for t in transfers]
+        try:
+            t0 = time.perf_counter()
+            for start in starts:
+                await read(start, buffers)
+            return time.perf_counter() - t0
+        finally:
+            for b in buffers:
+                b.release()
+
+    async def scatter_all() -> float:
+        spent = 0.0
+        for start in starts:
+            buffers = [await t.load_pool.acquire() for t in transfers]
+            await read(start, buffers)
+            t0 = time.perf_counter()
+            for g, t in enumerate(transfers):  # each scatter gives its buffer back
+                handle = await t.scatter_filled(job.block_ids[g][start : min(n, start + window)], buffers[g])
+                await handle.wait()
+            spent += time.perf_counter() - t0
+        return spent
+
+    async def lookup() -> float:
+        t0 = time.perf_counter()
+        await client.lookup([k for per in keys for k in per])
+        return time.perf_counter() - t0
+
+    row: dict[str, Any] = {"blocks": n, "bytes": sum(t.block_bytes() for t in transfers) * n}
+    for name, fn in (("lookup_s", lookup), ("get_s", get_all), ("scatter_s", scatter_all)):
+        row[name] = statistics.median(client.run(fn(), timeout_s=600) for _ in range(repeats))
+    return row

@@ -32,7 +32,6 @@ import random
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import aiohttp
@@ -41,67 +40,20 @@ from connector import body
 from connector.budget import ByteBudget
 from connector.checksums import checksum_off_loop
 from connector.client_tls import check_tls, client_ssl_context, tls_failure
+from connector.client_types import ClientConfig as ClientConfig
+from connector.client_types import ClientStats as ClientStats
+from connector.client_types import LookupSlot as LookupSlot
 from connector.errors import ConnectorError as ConnectorError
 from connector.errors import GatewayRejected as GatewayRejected
 from connector.errors import GatewayTLSError as GatewayTLSError
 from connector.errors import GatewayUnavailable as GatewayUnavailable
 from contract import wire
-from contract.wire import BLOCK_META_HEADER, CHECKSUM_HEADER, CRC64NVME, PART_CHECKSUM_HEADER
+from contract.wire import BLOCK_META_HEADER, CHECKSUM_HEADER, PART_CHECKSUM_HEADER
 from contract.wire import retry_after_s as retry_after_s
 
 log = logging.getLogger("kvgate.connector.client")
 T = TypeVar("T")
 Buffer = bytes | bytearray | memoryview
-
-
-@dataclass(frozen=True, slots=True)
-class ClientConfig:
-    base_url: str = "http://127.0.0.1:8750"
-    max_connections: int = 32
-    connect_timeout_s: float = 2.0
-    request_timeout_s: float = 30.0
-    lookup_timeout_s: float = 2.0
-    max_inflight_bytes: int = 1 << 30
-    retries: int = 3
-    backoff_s: float = 0.05
-    """The first retry's delay; it doubles per attempt, each wait drawn from [delay, 1.5 delay] (never shorter)."""
-    max_retry_after_s: float = 2.0
-    """The longest wait a ``Retry-After`` may ask for: longer asks wait this long (a hook must not stall)."""
-    down_cooldown_s: float = 1.0
-    ca_file: str | None = None
-    """PEM bundle of the CAs that sign the gateway's certificate (https URLs); None: the system's store."""
-    cert_file: str | None = None
-    """Client certificate (PEM, may hold the key too) for a gateway that asks for one (mutual TLS)."""
-    key_file: str | None = None
-    check_tls_on_start: bool = True
-    """With an https URL: one GET /healthz at construction, so a certificate error fails there, loudly."""
-    checksum: str = CRC64NVME
-    """The checksum sent with every store (``crc64nvme`` or ``sha256``), which the gateway verifies and records."""
-
-
-@dataclass(frozen=True, slots=True)
-class LookupSlot:
-    key: str
-    present: bool
-    size: int | None
-    digest: str | None
-
-
-@dataclass(slots=True)
-class ClientStats:
-    puts: int = 0
-    put_bytes: int = 0
-    gets: int = 0
-    get_bytes: int = 0
-    misses: int = 0
-    dropped_stores: int = 0
-    """Stores that did not fit the budget of bytes in flight."""
-    full_stores: int = 0
-    """Stores the gateway refused with 507 (its store is full): dropped, never retried, not an outage."""
-    failed_stores: int = 0
-    corrupt_reads: int = 0
-    retries: int = 0
-    extra: dict[str, int] = field(default_factory=dict)
 
 
 RETRY_STATUSES = frozenset({502, 503, 504})

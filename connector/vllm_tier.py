@@ -12,9 +12,9 @@ Every method runs on the scheduler's thread and returns at once: lookups are ans
 ``on_schedule_end``); transfers run on the background loop of ``connector.client.BlockClient`` within its budget
 of bytes in flight. When the gateway is down or too slow the client opens its circuit for ``down_cooldown_s``:
 lookups answer MISS and jobs fail at once. A full gateway (507) is not down: the store is dropped and counted
-(``client.stats.full_stores``), lookups and loads go on. A load is verified against its checksum and copied into
-its slot only when whole and intact; a failed store is reported failed (vLLM drops it); a failed load reports the
-keys that did load.
+(``client.stats.full_stores``), lookups and loads go on. A load reads each row straight into its slot and verifies it
+there (its checksum, its size): a row is reported loaded only when whole and intact, and vLLM reads no other slot; a
+failed store is reported failed (vLLM drops it); a failed load reports the keys that did load.
 
 This is the only module of kvgate, besides connector/vllm.py, that imports vllm.
 """
@@ -384,16 +384,10 @@ class KVGateTier(SecondaryTierManager):  # type: ignore[misc]
         offset = chunk_id * self._row_bytes
         try:
             async with self._client.hold(self._row_bytes, timeout_s=self._transfer_timeout_s):
-                path = self.key_path(key)
-                # Verified against the version's checksum; None if missing, short or corrupt.
-                data = await self._client.get(path)
-                if data is None:
-                    return False
-                if len(data) != self._row_bytes:
-                    log.error("kvgate tier: %s holds %d bytes, a row is %d", path, len(data), self._row_bytes)
-                    return False
-                self._rows[offset : offset + self._row_bytes] = data
-                return True
+                # Read straight into the row's slot and verified there against the version's checksum; False if missing,
+                # of another size or corrupt. The slot is vLLM's only once the job reports the key loaded.
+                row = self._rows[offset : offset + self._row_bytes]
+                return await self._client.get_into(self.key_path(key), row)
         except GatewayUnavailable:  # the client opened its circuit
             pass
         except Exception as exc:

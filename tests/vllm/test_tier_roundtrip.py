@@ -52,6 +52,13 @@ def test_factory_built_tier_stores_and_loads_rows_byte_identical(
     assert report["bad_load"]["1004"] == {"success": False, "successful_keys": 2, "bytes": 2 * 65536}
     assert report["bad_slots"] == [True, True, True]
     assert report["after_bad"][0] == ["HIT", "MISS", "MISS", "HIT"]
+    # Served whole but not a row's bytes (bit rot under the old ETag, a valid half-row object) and a 404: the load
+    # reads each straight into its slot and reports none of them loaded (vLLM never reads those slots).
+    assert report["more_store"] == {"1005": {"success": True, "successful_keys": None, "bytes": 2 * 65536}}
+    assert report["short_put"] == 200  # it replaces the row
+    assert report["before_served_bad"][0] == ["HIT", "HIT", "MISS"]
+    assert report["served_bad_load"]["1006"] == {"success": False, "successful_keys": None, "bytes": None}
+    assert report["after_served_bad"][0] == ["MISS"] * 3  # and the tier stops promoting them
     assert report["worst_call_s"] < SCHEDULER_BOUND_S
 
     # The gateway serves the same bytes over HTTP under vLLM's FileMapper keys (the untouched rows 0 and 3).
@@ -64,10 +71,10 @@ def test_factory_built_tier_stores_and_loads_rows_byte_identical(
         assert c.get(f"/v1/namespaces/{report['namespace']}/config").json() == report["run_config"]
         metrics = c.get("/metrics").text
 
-    # Lookups went out as one batched POST /v1/lookup per step with new keys (two here), never a HEAD per key.
-    assert request_count(metrics, method="POST", route="/v1/lookup") == 2
+    # Lookups went out as one batched POST /v1/lookup per step with new keys (three here), never a HEAD per key.
+    assert request_count(metrics, method="POST", route="/v1/lookup") == 3
     assert request_count(metrics, method="HEAD", route="/v1/blocks/") == 0
-    assert request_count(metrics, method="PUT", route="/v1/blocks/") == 4  # the re-store sent nothing
+    assert request_count(metrics, method="PUT", route="/v1/blocks/") == 4 + 2 + 1  # the re-store sent nothing
     assert request_count(metrics, method="GET", route="/v1/blocks/") >= 2 + 4  # the label is right
 
     # config.json on disk is what vLLM's fs tier writes: json.dump(fields, indent=2, sort_keys=True).

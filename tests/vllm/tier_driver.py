@@ -19,6 +19,7 @@ import signal
 import sys
 import time
 import traceback
+import urllib.request
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -234,6 +235,30 @@ def roundtrip(args: argparse.Namespace) -> dict[str, Any]:
         row(view, 8 + i) == b"\xee" * ROW_BYTES for i in (1, 2)
     ]
     report["after_bad"] = steps.lookups(keys, "req-b")
+    # Bytes the gateway serves whole but a row must not take (the load reads them straight into the row's slot):
+    # two more rows stored, then bit rot in the first's file (size and mtime kept, so the gateway serves it under its
+    # old ETag) and a valid object of half a row PUT under the second; with key 1, which the gateway no longer has
+    # (404). None of the three is reported loaded.
+    more = keys_for(2, "served-bad")
+    more_rows = fill(view, range(12, 14), seed=2)
+    report["more_store"] = summary(steps.wait({steps.job(more, [12, 13], load=False, req="req-c")}))
+    more_paths = [tier.key_path(k) for k in more]
+    rotten = root / more_paths[0]
+    st = rotten.stat()
+    with rotten.open("r+b") as f:
+        f.seek(7)
+        f.write(bytes([more_rows[0][7] ^ 1]))
+    os.utime(rotten, ns=(st.st_atime_ns, st.st_mtime_ns))
+    put = urllib.request.Request(f"{args.url}/v1/blocks/{more_paths[1]}", data=more_rows[1][: ROW_BYTES // 2])
+    put.method = "PUT"
+    with urllib.request.urlopen(put, timeout=10) as resp:
+        report["short_put"] = resp.status
+    for cid in range(12, 15):
+        view.cast("B")[cid * ROW_BYTES : (cid + 1) * ROW_BYTES] = b"\xee" * ROW_BYTES
+    report["before_served_bad"] = steps.lookups([*more, keys[1]], "req-c")  # as vLLM looks up, then loads
+    report["served_bad_load"] = summary(steps.wait({steps.job([*more, keys[1]], [12, 13, 14], load=True, req="req-c")}))
+    report["after_served_bad"] = steps.lookups([*more, keys[1]], "req-c")
+    steps.finish("req-c")
     steps.finish("req-b")
     report["worst_call_s"] = steps.worst_s
     Path(args.out, "rows.bin").write_bytes(b"".join(rows))

@@ -155,7 +155,11 @@ def _job_parts(conn: Any, job: Any, repeats: int) -> dict[str, Any]:
         await client.lookup([k for per in keys for k in per])
         return time.perf_counter() - t0
 
-    row: dict[str, Any] = {"blocks": n, "bytes": sum(t.block_bytes() for t in transfers) * n}
+    row: dict[str, Any] = {
+        "blocks": n,
+        "bytes": sum(t.block_bytes() for t in transfers) * n,
+        "keys": [k for per in keys for k in per],
+    }
     for name, fn in (("lookup_s", lookup), ("get_s", get_all), ("scatter_s", scatter_all)):
         row[name] = statistics.median(client.run(fn(), timeout_s=600) for _ in range(repeats))
     return row

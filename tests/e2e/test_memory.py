@@ -108,3 +108,47 @@ def test_slow_part_uploads_are_not_held_in_memory(tmp_path: Path) -> None:
         assert [b["present"] for b in look["blocks"]] == [True] + [False] * 8
     finally:
         gw.stop()
+
+
+def stalled_get(port: int, path: str, *, headers: dict[str, str]) -> socket.socket:
+    """A GET sent whole whose answer is never read (the socket is returned open): the gateway's writes stall once
+    the socket's buffers are full."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=60)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+    head = "".join(f"{k}: {v}\r\n" for k, v in {"Host": "x", **headers}.items())
+    s.sendall(f"GET {path} HTTP/1.1\r\n{head}\r\n".encode())
+    return s
+
+
+def test_stalled_range_reads_are_not_held_in_memory(tmp_path: Path) -> None:
+    """16 Range GETs of 40 MiB each of one 48 MiB block, none of whose answers is read: 640 MiB asked for at once.
+    Every range is verified (its X-KVGate-Range-Checksum comes from the chunk checksums recorded at upload, and the
+    at most two chunks the range cuts are read to check), and what a stalled answer holds does not grow with its
+    range: the chunk the store read last (4 MiB) and the one waiting in the socket's write buffer, so the gateway's
+    RSS grows by less than 16 x 8 MiB + 32 MiB = 160 MiB (measured: 128 MiB). Before chunk checksums (536 MiB at
+    68d541f) a verified range, up to KVGATE_VERIFY_RANGE_MAX_BYTES (64 MiB), was read whole into memory to hash it
+    before its first byte went out. A range read to its end afterwards is the block's bytes."""
+    gw = Gateway(tmp_path / "data", env={"KVGATE_BACKEND__FSYNC": "false"}).start()
+    size, span = 48 * MiB, 40 * MiB
+    body = random_bytes(size, 2)
+    key = key_for(0)
+    try:
+        assert gw.proc is not None
+        assert httpx.put(f"{gw.url}/v1/blocks/{key}", content=body, timeout=120).status_code == 201
+        whole = httpx.get(f"{gw.url}/v1/blocks/{key}", headers={"Range": f"bytes=1-{span}"}, timeout=120)
+        assert whole.status_code == 206 and whole.content == body[1 : span + 1]
+        base = settle_rss(gw.proc.pid)
+        socks = [
+            stalled_get(gw.port, f"/v1/blocks/{key}", headers={"Range": f"bytes={i + 1}-{i + span}"}) for i in range(16)
+        ]
+        try:
+            grown = settle_rss(gw.proc.pid) - base
+            bound = 16 * 2 * 4 * MiB + 32 * MiB
+            assert grown < bound, f"RSS grew by {grown / MiB:.0f} MiB with 16 stalled {span // MiB} MiB ranges"
+        finally:
+            for s in socks:
+                s.close()
+        again = httpx.get(f"{gw.url}/v1/blocks/{key}", headers={"Range": f"bytes=7-{span + 6}"}, timeout=120)
+        assert again.status_code == 206 and again.content == body[7 : span + 7]
+    finally:
+        gw.stop()

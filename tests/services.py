@@ -10,6 +10,7 @@ and ``MotoServer`` can be killed and started again on the same port (SeaweedFS w
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import glob
 import os
@@ -258,3 +259,13 @@ async def pg_url(pg_server: PgServer) -> AsyncIterator[str]:
         yield url
     finally:
         await pg_server.drop_database(url)
+
+
+@pytest.fixture
+def pg_db(pg_server: PgServer) -> Iterator[str]:
+    """``pg_url`` for a synchronous test (one that drives real gateway processes from threads)."""
+    url = asyncio.run(pg_server.create_database())
+    try:
+        yield url
+    finally:
+        asyncio.run(pg_server.drop_database(url))

@@ -5,17 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
 from tests.conftest import key_for, matches, random_bytes
 from tests.gateway import Gateway
-from tests.services import PgServer, SeaweedServer, asyncpg_dsn, unique_bucket
+from tests.services import SeaweedServer, asyncpg_dsn, unique_bucket
 
 BLOCK = 64 * 1024
 
@@ -40,15 +38,6 @@ async def _sql(db_url: str, *statements: str) -> list[Any]:
         return rows
     finally:
         await conn.close()
-
-
-@pytest.fixture
-def pg_db(pg_server: PgServer) -> Iterator[str]:
-    url = asyncio.run(pg_server.create_database())
-    try:
-        yield url
-    finally:
-        asyncio.run(pg_server.drop_database(url))
 
 
 def test_the_last_two_parts_on_two_replicas_make_one_object(

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -27,7 +26,7 @@ from tests.e2e.races import Ledger, all_served, assert_fs_agrees, assert_stats_e
 from tests.e2e.test_races import same_key_writers
 from tests.gateway import REPO, Gateway, free_port
 from tests.security.tls_pki import CA, TlsGateway, client_context
-from tests.services import PgServer, SeaweedServer, unique_bucket
+from tests.services import SeaweedServer, unique_bucket
 
 BLOCK = 256 * 1024
 
@@ -101,15 +100,6 @@ def test_one_worker_killed_under_load_loses_nothing_acknowledged(tmp_path: Path)
         stop.set()
         t.join(60)
         gw.stop()
-
-
-@pytest.fixture
-def pg_db(pg_server: PgServer) -> Iterator[str]:
-    url = asyncio.run(pg_server.create_database())
-    try:
-        yield url
-    finally:
-        asyncio.run(pg_server.drop_database(url))
 
 
 def test_two_workers_on_s3_and_postgresql(tmp_path: Path, seaweedfs_server: SeaweedServer, pg_db: str) -> None:

@@ -8,13 +8,11 @@ not bind the PUB port, and each numbered from its own clock."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
 from tests.conftest import key_for
 from tests.events.helpers import (
@@ -29,7 +27,7 @@ from tests.events.helpers import (
 )
 from tests.events.router import END
 from tests.gateway import Gateway, free_port
-from tests.services import PgServer, SeaweedServer, unique_bucket
+from tests.services import SeaweedServer, unique_bucket
 
 
 def _stream(url: str, *, since: int, events: int) -> list[tuple[int, str, str]]:
@@ -146,15 +144,6 @@ def test_workers_publish_one_stream_and_another_takes_over(tmp_path: Path) -> No
     finally:
         tap.close()
         gw.stop()
-
-
-@pytest.fixture
-def pg_db(pg_server: PgServer) -> Iterator[str]:
-    url = asyncio.run(pg_server.create_database())
-    try:
-        yield url
-    finally:
-        asyncio.run(pg_server.drop_database(url))
 
 
 def _replicas(root: Path, env: dict[str, str]) -> list[Gateway]:

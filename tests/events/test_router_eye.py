@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import random
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from tests.conftest import agnostic_fields
 from tests.events.helpers import events_gateway, hello, run_gc
 from tests.events.router import Prompt, Router
 from tests.gateway import Gateway, free_port, settled_stats
-from tests.services import PgServer, unique_bucket
+from tests.services import unique_bucket
 
 BLOCK = 16
 BODY = 2048
@@ -86,15 +85,6 @@ class Engine:
 
     def close(self) -> None:
         self.client.close()
-
-
-@pytest.fixture
-def pg_db(pg_server: PgServer) -> Iterator[str]:
-    url = asyncio.run(pg_server.create_database())
-    try:
-        yield url
-    finally:
-        asyncio.run(pg_server.drop_database(url))
 
 
 def _deployment(kind: str, root: Path, env: dict[str, str], request: pytest.FixtureRequest) -> list[Gateway]:

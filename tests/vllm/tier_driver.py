@@ -16,6 +16,7 @@ import mmap
 import os
 import random
 import signal
+import ssl
 import sys
 import time
 import traceback
@@ -194,6 +195,17 @@ def summary(results: dict[int, Any]) -> dict[str, Any]:
 # -- scenarios -----------------------------------------------------------------------------------------------------
 
 
+def tls_context(extra: dict[str, Any]) -> ssl.SSLContext | None:
+    """The client side of the tier's TLS keys (``ca_file``, ``cert_file``, ``key_file``) for a raw request the
+    scenario sends beside the tier; None over plain HTTP."""
+    if not extra.get("ca_file"):
+        return None
+    ctx = ssl.create_default_context(cafile=extra["ca_file"])
+    if extra.get("cert_file"):
+        ctx.load_cert_chain(extra["cert_file"], extra.get("key_file"))
+    return ctx
+
+
 def roundtrip(args: argparse.Namespace) -> dict[str, Any]:
     """Factory-built tier (spec.get_manager()), real primary memoryview: store rows, look up, load, corrupt."""
     spec = make_spec([kvgate_tier_cfg(args.url, **(args.tier_extra or {}))])  # tier_extra: e.g. the TLS keys
@@ -251,7 +263,7 @@ def roundtrip(args: argparse.Namespace) -> dict[str, Any]:
     os.utime(rotten, ns=(st.st_atime_ns, st.st_mtime_ns))
     put = urllib.request.Request(f"{args.url}/v1/blocks/{more_paths[1]}", data=more_rows[1][: ROW_BYTES // 2])
     put.method = "PUT"
-    with urllib.request.urlopen(put, timeout=10) as resp:
+    with urllib.request.urlopen(put, timeout=10, context=tls_context(args.tier_extra or {})) as resp:
         report["short_put"] = resp.status
     for cid in range(12, 15):
         view.cast("B")[cid * ROW_BYTES : (cid + 1) * ROW_BYTES] = b"\xee" * ROW_BYTES

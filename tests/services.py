@@ -269,3 +269,11 @@ def pg_db(pg_server: PgServer) -> Iterator[str]:
         yield url
     finally:
         asyncio.run(pg_server.drop_database(url))
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def index_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """An index database URL, once on a SQLite file and once on a fresh PostgreSQL database (``pg_url``)."""
+    if request.param == "sqlite":
+        return f"sqlite+aiosqlite:///{tmp_path / 'index.db'}"
+    return str(request.getfixturevalue("pg_url"))

@@ -19,16 +19,9 @@ from tests.conftest import key_for
 from tests.events.log_harness import FIRST_SEQ, log_index, record
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite+aiosqlite:///{tmp_path / 'index.db'}"
-    return str(request.getfixturevalue("pg_url"))
-
-
 @pytest.fixture
-async def index(db_url: str) -> AsyncIterator[Index]:
-    async with log_index(db_url) as idx:
+async def index(index_url: str) -> AsyncIterator[Index]:
+    async with log_index(index_url) as idx:
         yield idx
 
 
@@ -67,8 +60,8 @@ async def test_a_row_iff_the_change_committed(index: Index) -> None:
     ]
 
 
-async def test_events_off_write_no_rows(db_url: str, tmp_path: Path) -> None:
-    async with log_index(db_url) as index:
+async def test_events_off_write_no_rows(index_url: str, tmp_path: Path) -> None:
+    async with log_index(index_url) as index:
         index.logs_events = False
         await index.swap_block(record(key_for(1)))
         await index.remove_block(key_for(1))

@@ -20,17 +20,10 @@ from tests.gateway import REPO
 NS = "m_0123456789ab"
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite+aiosqlite:///{tmp_path / 'index.db'}"
-    return str(request.getfixturevalue("pg_url"))
-
-
 @pytest.fixture
-async def index(db_url: str) -> AsyncIterator[Index]:
-    await upgrade_head(db_url)
-    idx = Index(make_engine(db_url), flush_interval_s=3600)  # flushes only when the test asks
+async def index(index_url: str) -> AsyncIterator[Index]:
+    await upgrade_head(index_url)
+    idx = Index(make_engine(index_url), flush_interval_s=3600)  # flushes only when the test asks
     await idx.start()
     try:
         yield idx
@@ -64,10 +57,10 @@ async def put_row(index: Index, **fields: Any) -> None:
     await index.swap_block(row(**fields))
 
 
-async def test_migration_creates_schema(db_url: str) -> None:
-    await upgrade_head(db_url)
-    await upgrade_head(db_url)  # idempotent: a second replica starting finds it done
-    engine = make_engine(db_url)
+async def test_migration_creates_schema(index_url: str) -> None:
+    await upgrade_head(index_url)
+    await upgrade_head(index_url)  # idempotent: a second replica starting finds it done
+    engine = make_engine(index_url)
     try:
         async with engine.connect() as conn:
             tables = await conn.run_sync(lambda c: set(inspect(c).get_table_names()))
@@ -78,20 +71,20 @@ async def test_migration_creates_schema(db_url: str) -> None:
     assert version
 
 
-async def test_concurrent_migrations(db_url: str) -> None:
+async def test_concurrent_migrations(index_url: str) -> None:
     """Replicas (processes) starting together all migrate the same empty PostgreSQL database."""
-    if not db_url.startswith("postgresql"):
+    if not index_url.startswith("postgresql"):
         pytest.skip("SQLite is one gateway's own file")
     script = "import asyncio, sys; from app.index.migrate import upgrade_head; asyncio.run(upgrade_head(sys.argv[1]))"
     procs = [
         await asyncio.create_subprocess_exec(
-            sys.executable, "-c", script, db_url, cwd=REPO, stderr=asyncio.subprocess.PIPE
+            sys.executable, "-c", script, index_url, cwd=REPO, stderr=asyncio.subprocess.PIPE
         )
         for _ in range(3)
     ]
     results = [(await p.wait(), (await p.stderr.read()).decode()[-2000:]) for p in procs if p.stderr]
     assert [rc for rc, _ in results] == [0] * 3, results
-    engine = make_engine(db_url)
+    engine = make_engine(index_url)
     try:
         async with engine.connect() as conn:
             assert (await conn.execute(text("SELECT count(*) FROM alembic_version"))).scalar_one() == 1
@@ -201,10 +194,10 @@ async def test_access_flush(index: Index) -> None:
     assert again is not None and again.hits == 3
 
 
-async def test_two_indexes_share_one_database(db_url: str) -> None:
+async def test_two_indexes_share_one_database(index_url: str) -> None:
     """Two replicas' Index objects over one database see each other's writes and deletes."""
-    await upgrade_head(db_url)
-    a, b = Index(make_engine(db_url), flush_interval_s=3600), Index(make_engine(db_url), flush_interval_s=3600)
+    await upgrade_head(index_url)
+    a, b = Index(make_engine(index_url), flush_interval_s=3600), Index(make_engine(index_url), flush_interval_s=3600)
     await a.start()
     await b.start()
     try:
@@ -281,10 +274,10 @@ async def test_usage_moves_in_each_change_s_transaction(index: Index) -> None:
     assert await index.usage_by_namespace() == await truth() == {other: (1, 7)}
 
 
-async def test_create_only_has_one_winner_across_two_indexes(db_url: str) -> None:
+async def test_create_only_has_one_winner_across_two_indexes(index_url: str) -> None:
     """Two gateways' indexes over one database: concurrent create-only swaps of a key, exactly one is written."""
-    await upgrade_head(db_url)
-    a, b = Index(make_engine(db_url)), Index(make_engine(db_url))
+    await upgrade_head(index_url)
+    a, b = Index(make_engine(index_url)), Index(make_engine(index_url))
     await a.start()
     await b.start()
     try:

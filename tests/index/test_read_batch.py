@@ -10,7 +10,7 @@ import pytest
 from app.errors import IndexUnavailable
 from app.index import Index
 from app.index.batch import ReadBatcher
-from tests.index.test_index_dialects import db_url, index, key, put_row, row  # noqa: F401  (fixtures)
+from tests.index.test_index_dialects import index, key, put_row, row  # noqa: F401  (fixtures)
 
 
 async def test_concurrent_gets_share_queries_and_get_their_own_rows(index: Index) -> None:  # noqa: F811

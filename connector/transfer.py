@@ -244,7 +244,9 @@ class BlockTransfer:
             with self._on(self._store_stream, block_ids, after) as (host_ids, ids):
                 staging, in_place = self._staging(len(block_ids), sel, buffer)
                 for layer, kv in enumerate(self._layers):
-                    part = kv.narrow(head_dim, sel.start, len(sel)).index_select(1, ids)
+                    # advanced indexing, not index_select: on CPU tensors index_select makes a strided input (the
+                    # CPU_ATTN page's K) contiguous first, a copy of the layer's whole cache per gather
+                    part = kv.narrow(head_dim, sel.start, len(sel))[:, ids]
                     staging[:, :, layer].copy_(part.permute(perm))
                 if not in_place:
                     flat = staging.view(-1).view(torch.uint8)

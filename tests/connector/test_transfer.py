@@ -311,17 +311,17 @@ def test_cpu_copies_run_on_one_thread_and_the_setting_is_restored(monkeypatch: p
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     seen: list[int] = []
-    select, index_copy = torch.Tensor.index_select, torch.Tensor.index_copy_
+    copy, index_copy = torch.Tensor.copy_, torch.Tensor.index_copy_
 
-    def spy_select(self: torch.Tensor, *a: object, **k: object) -> torch.Tensor:
+    def spy_gather(self: torch.Tensor, *a: object, **k: object) -> torch.Tensor:
         seen.append(torch.get_num_threads())
-        return select(self, *a, **k)  # type: ignore[arg-type]
+        return copy(self, *a, **k)  # type: ignore[arg-type]
 
     def spy_copy(self: torch.Tensor, *a: object, **k: object) -> torch.Tensor:
         seen.append(torch.get_num_threads())
         return index_copy(self, *a, **k)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(torch.Tensor, "index_select", spy_select)
+    monkeypatch.setattr(torch.Tensor, "copy_", spy_gather)  # a gather's copy into the staging view, per layer
     monkeypatch.setattr(torch.Tensor, "index_copy_", spy_copy)
     try:
         caches = layer_tensors(model_kv(torch.bfloat16), KVLayout.NHD)

@@ -34,6 +34,14 @@ class FsBackend(BaseModel):
     kind: Literal["fs"] = Field(default="fs", description="`fs`, `s3` or `memory`")
     root: Path | None = Field(default=None, description="where block files go; none: <data_dir>/blocks")
     fsync: bool = Field(default=True, description="fsync each block file and its directory before the PUT returns")
+    inline_io_bytes: int = Field(
+        default=4 * MiB,
+        ge=0,
+        description="file calls that need not wait on the disk run on the event loop instead of a worker thread "
+        "(a thread hop costs more CPU than a small write): reads the page cache holds, and their opens; without "
+        "fsync, also writing, renaming and discarding a version of at most this many bytes. 0: every file call on "
+        "a thread (a data root on network storage, or one whose metadata the kernel cannot keep cached)",
+    )
 
 
 class S3Backend(BaseModel):

@@ -265,7 +265,7 @@ class PartAssembler:
                 try:
                     async for chunk in reader.chunks(start=at, end=at + part.end - part.start):
                         checker.update(chunk)
-                        yield chunk
+                        yield chunk if isinstance(chunk, bytes) else bytes(chunk)  # a store's body is bytes
                     checker.finish()
                 except DigestMismatch as exc:
                     log.error("stored part is corrupt key=%s start=%d: %s", part.key, part.start, exc)

@@ -40,7 +40,7 @@ class OpenBlock:
         self.meta = meta
         self.reader = reader
 
-    async def stream(self, start: int, end: int) -> AsyncIterator[bytes]:
+    async def stream(self, start: int, end: int) -> AsyncIterator[bytes | bytearray]:
         try:
             async for chunk in self.reader.chunks(start=start, end=end):
                 yield chunk

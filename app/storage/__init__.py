@@ -12,7 +12,9 @@ def build_store(cfg: Backend, *, settings: Settings) -> BlockStore:
 
         root = settings.blocks_root
         assert root is not None  # the fs backend's
-        return FilesystemStore(root=root, fsync=cfg.fsync, chunk_bytes=settings.io_chunk_bytes)
+        return FilesystemStore(
+            root=root, fsync=cfg.fsync, chunk_bytes=settings.io_chunk_bytes, inline_bytes=cfg.inline_io_bytes
+        )
     if isinstance(cfg, MemoryBackend):
         from app.storage.memory import MemoryStore
 

@@ -37,6 +37,8 @@ XATTR = "user.kvgate.version"
 T = TypeVar("T")
 _FLOCK = struct.Struct("@hhqqi4x")
 _NO_XATTR = (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP)
+_nowait = hasattr(os, "RWF_NOWAIT")
+"""Whether ``read_cached`` may try a non-blocking read (cleared when the kernel or filesystem refuses one)."""
 
 
 def translate(exc: OSError, what: str) -> Exception:
@@ -45,10 +47,12 @@ def translate(exc: OSError, what: str) -> Exception:
     return BackendUnavailable(f"{what}: {exc.strerror or exc}")
 
 
-async def io(fn: Callable[..., T], *args: object, what: str) -> T:
-    """``fn(*args)`` on a worker thread (app/threads.py); OSErrors other than a missing file become the domain's
-    errors."""
+async def io(fn: Callable[..., T], *args: object, what: str, inline: bool = False) -> T:
+    """``fn(*args)`` on a worker thread (app/threads.py), or here on the event loop when ``inline`` (a call that
+    cannot wait on the disk: see FilesystemStore); OSErrors other than a missing file become the domain's errors."""
     try:
+        if inline:
+            return fn(*args)
         return await run_sync(fn, *args)
     except (FileNotFoundError, NotADirectoryError):
         raise
@@ -67,6 +71,27 @@ def id_of(stamp: str) -> str | None:
     """The version id of one of this store's stamps (None for an ``<inode>:<mtime>`` stamp)."""
     vid, sep, _ = stamp.partition(".")
     return vid if sep and len(vid) == 32 else None
+
+
+def read_cached(fd: int, n: int, pos: int) -> bytearray | None:
+    """Up to ``n`` bytes of the file open as ``fd`` from ``pos`` if the page cache holds the first of them, without
+    waiting on the disk (``RWF_NOWAIT``); None when reading them would wait (or the filesystem cannot tell)."""
+    global _nowait
+    if not _nowait:
+        return None
+    buf = bytearray(n)
+    try:
+        got = os.preadv(fd, [buf], pos, os.RWF_NOWAIT)
+    except BlockingIOError:
+        return None
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        _nowait = False  # a filesystem without non-blocking buffered reads: every read goes to a thread
+        return None
+    if got < n:
+        del buf[got:]  # a short read: the cached part (or nothing at the end of the file)
+    return buf
 
 
 def read_stamp(target: int | str | Path, st: os.stat_result) -> str:

@@ -26,7 +26,7 @@ LARGE = 12 * MiB + 12345
 """Over the S3 store's 6 MiB multipart threshold here: three 5 MiB-plus parts; many chunks for every store."""
 
 
-@pytest.fixture(params=["memory", "fs", *(f"s3-{server}" for server in S3_SERVERS)])
+@pytest.fixture(params=["memory", "fs", "fs-inline", *(f"s3-{server}" for server in S3_SERVERS)])
 async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[BlockStore]:
     kind = request.param
     s: BlockStore
@@ -34,6 +34,8 @@ async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
         s = MemoryStore(chunk_bytes=CHUNK)
     elif kind == "fs":
         s = FilesystemStore(root=tmp_path / "blocks", chunk_bytes=CHUNK)
+    elif kind == "fs-inline":  # every write and cached read on the event loop (no fsync, any size inline)
+        s = FilesystemStore(root=tmp_path / "blocks", chunk_bytes=CHUNK, fsync=False, inline_bytes=64 * MiB)
     else:
         server: S3TestServer = request.getfixturevalue(f"{kind.removeprefix('s3-')}_server")
         cfg = S3Backend(

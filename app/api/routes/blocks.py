@@ -85,7 +85,7 @@ class BlockResponse(Response):
         super().__init__(status_code=status_code, headers={**headers, "content-length": str(end - start)})
         self.media_type = "application/octet-stream"
         self.raw_headers.append((b"content-type", b"application/octet-stream"))
-        self._chunks: AsyncIterator[bytes] = block.stream(start, end)
+        self._chunks: AsyncIterator[bytes | bytearray] = block.stream(start, end)
         self._block = block
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -12,6 +12,15 @@ body is checked against the sha256 of what was PUT), driven at the given concurr
 (nginx's WebDAV never does: kvgate runs with ``KVGATE_BACKEND__FSYNC=false``; its index commits stay durable).
 nginx runs one worker, kvgate one process (unless ``--workers``).
 
+**The page cache is primed before each PUT phase** (``--no-prime``: not): the client writes and unlinks a scratch
+file as large as the phase's bodies on the system's filesystem, so that every server's writes land in pages the
+kernel has just freed. On a VM whose freed memory goes back to the host (virtio-balloon free page reporting, as
+here), a write that grows the page cache into memory the host took back costs several times one into pages it
+still backs (2 MiB into a new file: 5-8 ms of kernel CPU against 0.8-2.4 ms right after an unlink here), so
+without the primer whichever server happens to grow the cache pays that (nginx's PUT 2 MiB ranged 2.8-11.1 ms over
+three rounds of one run). A storage node's page cache is full in steady state, where each write takes a page
+reclaim has just freed: the primed figure is that one.
+
 Each round runs every system in turn (the order rotates), each phase on fresh keys; the report gives each cell's
 median over the rounds with its lowest and highest, and the kvgate/nginx ratio taken round by round (the same
 round's nginx figure), then its median. The machine is shared: the load average is printed with the results.
@@ -110,8 +119,31 @@ async def run_phase(runner: Runner, op: str, n: int, pids: list[int]) -> tuple[O
     return s, 1000 * used / max(1, s.requests)
 
 
+def prime_page_cache(root: Path, *, nbytes: int, piece: int = 4 * MiB) -> None:
+    """Write ``nbytes`` to a scratch file under ``root`` and unlink it: the kernel then holds that many freed pages
+    that the host still backs (see the module docstring)."""
+    root.mkdir(parents=True, exist_ok=True)
+    scratch = root / ".prime"
+    data = os.urandom(piece)
+    fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        for _ in range(-(-nbytes // piece)):
+            os.write(fd, data)
+    finally:
+        os.close(fd)
+        scratch.unlink()
+
+
 async def run_system(
-    system: System, *, size: int, concurrency: int, seed: int, n: int, heads: int, ops: str = "put,get,head"
+    system: System,
+    *,
+    size: int,
+    concurrency: int,
+    seed: int,
+    n: int,
+    heads: int,
+    ops: str = "put,get,head",
+    prime: bool = True,
 ) -> dict[str, tuple[OpStats, float]]:
     cfg = BenchConfig(
         url=system.url, target=system.target, concurrency=concurrency, block_size=size, count=n,  # type: ignore[arg-type]
@@ -124,6 +156,8 @@ async def run_system(
         pids = system.pids()
         for op, count in (("put", n), ("get", n), ("head", heads)):
             if count and op in ops.split(","):
+                if op == "put" and prime:
+                    prime_page_cache(system.root, nbytes=count * size)
                 out[op] = await run_phase(runner, op, count, pids)
     finally:
         await client.aclose()
@@ -185,6 +219,7 @@ def main() -> None:
     ap.add_argument(
         "--fresh-dirs", action="store_true", help="do not make the keys' directories beforehand (PUTs make them)"
     )
+    ap.add_argument("--no-prime", action="store_true", help="do not prime the page cache before each PUT phase")
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args()
 
@@ -227,7 +262,14 @@ def main() -> None:
                     print(f"  round {rnd + 1}/{args.rounds} {s.name:>18} {size // KiB:>5} KiB ...", flush=True)
                     got[s.name] = _run(
                         run_system(
-                            s, size=size, concurrency=args.concurrency, seed=seed, n=n, heads=heads, ops=args.ops
+                            s,
+                            size=size,
+                            concurrency=args.concurrency,
+                            seed=seed,
+                            n=n,
+                            heads=heads,
+                            ops=args.ops,
+                            prime=not args.no_prime,
                         )
                     )
                 ref = systems[0].name
@@ -256,7 +298,8 @@ def report(
     print(
         f"\nserver CPU per request, ms: median (lowest-highest) of {args.rounds} rounds; concurrency "
         f"{args.concurrency}; {os.cpu_count()} cores shared by client and servers; load average (1, 5, 15 min) "
-        f"at each round's end: {' | '.join(loads)}"
+        f"at each round's end: {' | '.join(loads)}; page cache "
+        + ("not primed" if args.no_prime else "primed before each PUT phase")
     )
     rows = [(op, size) for size in args.sizes for op in ("put", "get", "head") if (ref, op, size) in cells]
     head = (

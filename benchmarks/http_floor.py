@@ -1,12 +1,14 @@
-"""The floor under kvgate's HEAD: server CPU per request of a bare ASGI app on the same server stack.
+"""The floor under kvgate's HEAD and small PUT: server CPU per request of a bare ASGI app on the same server stack.
 
-    .venv/bin/python -m benchmarks.http_floor [--requests 6000] [-c 16] [--rounds 3]
+    .venv/bin/python -m benchmarks.http_floor [--requests 6000] [-c 16] [--rounds 3] [--put-kib 64]
 
-Runs uvicorn (uvloop, httptools: what ``kvgate serve`` runs) with an ASGI app that answers every request with a
-fixed 200 and two headers and does nothing else, drives HEADs at it from an aiohttp client in this process, and
-reads the server's CPU clock around each round, as ``benchmarks/cost.py`` does for kvgate and nginx. Whatever kvgate
-spends on a HEAD above this figure is its own (middleware, routing, the metadata cache); this figure itself is the
-HTTP server's, in Python, which nginx's C answers in a fraction of.
+Runs uvicorn (uvloop, httptools: what ``kvgate serve`` runs) with an ASGI app that does the least each request
+needs, drives it from an aiohttp client in this process, and reads the server's CPU clock around each round, as
+``benchmarks/cost.py`` does for kvgate and nginx: a HEAD is answered with a fixed 200 and two headers; a PUT's body
+is read and written as nginx's WebDAV writes it (a new file with ``O_EXCL``, one ``writev`` of the received chunks,
+a rename over the key's file), with no checksum, no index and no middleware. Whatever kvgate spends above these
+figures is its own (checksums, the index, stamps and locks, middleware, routing); the figures themselves are the
+HTTP server's, in Python, and the kernel's file work, which nginx does in C.
 """
 
 from __future__ import annotations
@@ -23,12 +25,37 @@ from pathlib import Path
 
 import aiohttp
 
+from benchmarks.cost import prime_page_cache
+
 APP = """
+import os
+
 HEADERS = [(b"etag", b'"crc64nvme:0123456789abcdef"'), (b"content-length", b"65536")]
+ROOT = os.environ["FLOOR_ROOT"]
+COUNT = [0]
 
 
 async def app(scope, receive, send):
     if scope["type"] != "http":
+        return
+    if scope["method"] == "PUT":
+        pieces = []
+        more = True
+        while more:
+            message = await receive()
+            pieces.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        COUNT[0] += 1
+        final = f"{ROOT}/{scope['path'].rsplit('/', 1)[1]}"
+        temp = f"{ROOT}/.tmp-{COUNT[0]}"
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.writev(fd, pieces)
+        finally:
+            os.close(fd)
+        os.rename(temp, final)
+        await send({"type": "http.response.start", "status": 201, "headers": [(b"content-length", b"0")]})
+        await send({"type": "http.response.body", "body": b""})
         return
     await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
     await send({"type": "http.response.body", "body": b""})
@@ -45,12 +72,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def drive(url: str, n: int, concurrency: int) -> None:
-    todo = iter(range(n))
+async def drive(url: str, n: int, concurrency: int, body: bytes | None = None, first: int = 0) -> None:
+    todo = iter(range(first, first + n))
     async with aiohttp.ClientSession() as session:
 
         async def worker() -> None:
-            for _ in todo:
+            for i in todo:
+                if body is not None:
+                    async with session.put(f"{url}{i}", data=body) as r:
+                        if r.status != 201:
+                            raise RuntimeError(f"PUT answered {r.status}")
+                    continue
                 async with session.head(url) as r:
                     if r.status != 200:
                         raise RuntimeError(f"HEAD answered {r.status}")
@@ -73,22 +105,34 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=6000)
     ap.add_argument("-c", "--concurrency", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--put-kib", type=int, default=64, help="PUT body size (0: no PUT phase)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvgate-floor-") as work:
         (Path(work) / "bare_app.py").write_text(APP)
         port = free_port()
         argv = [sys.executable, "-m", "uvicorn", "bare_app:app", "--port", str(port), "--loop", "uvloop",
                 "--http", "httptools", "--log-level", "warning", "--no-access-log"]  # fmt: skip
-        proc = subprocess.Popen(argv, cwd=work, env={**os.environ, "PYTHONPATH": work})
+        root = Path(work) / "blocks"
+        root.mkdir()
+        proc = subprocess.Popen(argv, cwd=work, env={**os.environ, "PYTHONPATH": work, "FLOOR_ROOT": str(root)})
         try:
             url = f"http://127.0.0.1:{port}/v1/blocks/x"
             asyncio.run(wait_ready(url))
             asyncio.run(drive(url, 1000, args.concurrency))  # warm-up
+            body = os.urandom(args.put_kib * 1024)
+            puts = max(16, args.requests // 2)
             for rnd in range(args.rounds):
                 before = cpu_seconds(proc.pid)
                 asyncio.run(drive(url, args.requests, args.concurrency))
                 used = cpu_seconds(proc.pid) - before
-                print(f"round {rnd + 1}: bare uvicorn HEAD {1000 * used / args.requests:.3f} ms server CPU per request")
+                line = f"round {rnd + 1}: bare uvicorn HEAD {1000 * used / args.requests:.3f} ms"
+                if args.put_kib:
+                    prime_page_cache(root, nbytes=puts * len(body))
+                    before = cpu_seconds(proc.pid)
+                    asyncio.run(drive(url, puts, args.concurrency, body=body, first=rnd * puts))
+                    used = cpu_seconds(proc.pid) - before
+                    line += f", PUT {args.put_kib} KiB {1000 * used / puts:.3f} ms"
+                print(line + " server CPU per request")
         finally:
             proc.terminate()
             proc.wait(timeout=10)

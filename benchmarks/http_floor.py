@@ -62,6 +62,67 @@ async def app(scope, receive, send):
 """
 
 
+RAW = """
+import asyncio
+import os
+import sys
+
+import httptools
+import uvloop
+
+ROOT = os.environ["FLOOR_ROOT"]
+HEAD = b'HTTP/1.1 200 OK\\r\\netag: "crc64nvme:0123456789abcdef"\\r\\ncontent-length: 65536\\r\\n\\r\\n'
+CREATED = b"HTTP/1.1 201 Created\\r\\ncontent-length: 0\\r\\n\\r\\n"
+COUNT = [0]
+
+
+class Block(asyncio.Protocol):
+    def connection_made(self, transport):
+        self.transport = transport
+        self.parser = httptools.HttpRequestParser(self)
+        self.url = b""
+        self.pieces = []
+
+    def data_received(self, data):
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self.transport.close()
+
+    def on_message_begin(self):
+        self.pieces = []
+
+    def on_url(self, url):
+        self.url = url
+
+    def on_body(self, body):
+        self.pieces.append(body)
+
+    def on_message_complete(self):
+        if self.parser.get_method() != b"PUT":
+            self.transport.write(HEAD)
+            return
+        COUNT[0] += 1
+        final = f"{ROOT}/{self.url.decode().rsplit('/', 1)[1]}"
+        temp = f"{ROOT}/.tmp-{COUNT[0]}"
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.writev(fd, self.pieces)
+        finally:
+            os.close(fd)
+        os.rename(temp, final)
+        self.transport.write(CREATED)
+
+
+async def main():
+    server = await asyncio.get_running_loop().create_server(Block, "127.0.0.1", int(sys.argv[1]))
+    await server.serve_forever()
+
+
+uvloop.run(main())
+"""
+
+
 def cpu_seconds(pid: int) -> float:
     return time.clock_gettime(((~pid) << 3) | 2)  # the process's CPU clock: every thread
 
@@ -109,33 +170,42 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvgate-floor-") as work:
         (Path(work) / "bare_app.py").write_text(APP)
-        port = free_port()
-        argv = [sys.executable, "-m", "uvicorn", "bare_app:app", "--port", str(port), "--loop", "uvloop",
-                "--http", "httptools", "--log-level", "warning", "--no-access-log"]  # fmt: skip
-        root = Path(work) / "blocks"
-        root.mkdir()
-        proc = subprocess.Popen(argv, cwd=work, env={**os.environ, "PYTHONPATH": work, "FLOOR_ROOT": str(root)})
-        try:
-            url = f"http://127.0.0.1:{port}/v1/blocks/x"
-            asyncio.run(wait_ready(url))
-            asyncio.run(drive(url, 1000, args.concurrency))  # warm-up
-            body = os.urandom(args.put_kib * 1024)
-            puts = max(16, args.requests // 2)
-            for rnd in range(args.rounds):
+        (Path(work) / "raw_server.py").write_text(RAW)
+        for name, argv in (
+            ("bare uvicorn (ASGI)", [sys.executable, "-m", "uvicorn", "bare_app:app", "--loop", "uvloop", "--http",
+                                     "httptools", "--log-level", "warning", "--no-access-log", "--port"]),
+            ("raw httptools protocol", [sys.executable, "raw_server.py"]),
+        ):  # fmt: skip
+            measure(name, argv, work=Path(work), args=args)
+
+
+def measure(name: str, argv: list[str], *, work: Path, args: argparse.Namespace) -> None:
+    port = free_port()
+    root = work / f"blocks-{port}"
+    root.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(work), "FLOOR_ROOT": str(root)}
+    proc = subprocess.Popen([*argv, str(port)], cwd=work, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}/v1/blocks/x"
+        asyncio.run(wait_ready(url))
+        asyncio.run(drive(url, 1000, args.concurrency))  # warm-up
+        body = os.urandom(args.put_kib * 1024)
+        puts = max(16, args.requests // 2)
+        for rnd in range(args.rounds):
+            before = cpu_seconds(proc.pid)
+            asyncio.run(drive(url, args.requests, args.concurrency))
+            used = cpu_seconds(proc.pid) - before
+            line = f"{name}, round {rnd + 1}: HEAD {1000 * used / args.requests:.3f} ms"
+            if args.put_kib:
+                prime_page_cache(root, nbytes=puts * len(body))
                 before = cpu_seconds(proc.pid)
-                asyncio.run(drive(url, args.requests, args.concurrency))
+                asyncio.run(drive(url, puts, args.concurrency, body=body, first=rnd * puts))
                 used = cpu_seconds(proc.pid) - before
-                line = f"round {rnd + 1}: bare uvicorn HEAD {1000 * used / args.requests:.3f} ms"
-                if args.put_kib:
-                    prime_page_cache(root, nbytes=puts * len(body))
-                    before = cpu_seconds(proc.pid)
-                    asyncio.run(drive(url, puts, args.concurrency, body=body, first=rnd * puts))
-                    used = cpu_seconds(proc.pid) - before
-                    line += f", PUT {args.put_kib} KiB {1000 * used / puts:.3f} ms"
-                print(line + " server CPU per request")
-        finally:
-            proc.terminate()
-            proc.wait(timeout=10)
+                line += f", PUT {args.put_kib} KiB {1000 * used / puts:.3f} ms"
+            print(line + " server CPU per request", flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
 
 
 if __name__ == "__main__":

@@ -206,6 +206,15 @@ def answered(run: Run, op: str, *, during: str) -> Counter[int]:
     return Counter({s: n for (o, p, s), n in run.answers.items() if o == op and p == f"{during}->{during}"})
 
 
+def check_refused_while_down(run: Run, op: str) -> None:
+    """``op`` while the server was down: every one sent and answered in the outage was a 503, and some were sent in
+    it and refused. A request sent late in the outage may be answered once the restart has begun (the gateway's
+    own retries of the store take a while), with a 503 or, the server being back, its answer: not counted here."""
+    assert set(answered(run, op, during="down")) <= {503}, (op, run.answers)
+    sent_down = Counter({s: n for (o, p, s), n in run.answers.items() if o == op and p.startswith("down->")})
+    assert sent_down[503] > 0, (op, run.answers)
+
+
 def check_after(gw: Gateway, run: Run) -> None:
     """Every key holds its last acknowledged version or a later attempt; HEAD, GET and lookup agree."""
     acked = run.acked_keys()
@@ -275,8 +284,8 @@ def test_seaweedfs_restart_under_load(
     try:
         run = asyncio.run(under_load(gw.url, kill=store.kill, start=store.start))
         report(run, "SeaweedFS kill -9 and restart")
-        assert set(answered(run, "PUT", during="down")) == {503}, run.answers
-        assert set(answered(run, "GET", during="down")) == {503}, run.answers
+        check_refused_while_down(run, "PUT")
+        check_refused_while_down(run, "GET")
         assert set(answered(run, "HEAD", during="down")) <= {200, 503}  # HEAD and lookup answer from the index
         check_after(gw, run)
     finally:
@@ -292,7 +301,7 @@ def test_postgres_restart_under_load(
         run = asyncio.run(under_load(gw.url, kill=pg.crash, start=pg.start))
         report(run, "PostgreSQL crash and restart")
         for op in ("PUT", "GET", "HEAD", "LOOKUP"):
-            assert set(answered(run, op, during="down")) == {503}, (op, run.answers)
+            check_refused_while_down(run, op)
         check_after(gw, run)
     finally:
         gw.stop()

@@ -20,12 +20,11 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import aiohttp
 
-from benchmarks.cost import prime_page_cache
+from benchmarks.cost import cpu_seconds, prime_page_cache
 
 APP = """
 import os
@@ -123,10 +122,6 @@ uvloop.run(main())
 """
 
 
-def cpu_seconds(pid: int) -> float:
-    return time.clock_gettime(((~pid) << 3) | 2)  # the process's CPU clock: every thread
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -192,15 +187,15 @@ def measure(name: str, argv: list[str], *, work: Path, args: argparse.Namespace)
         body = os.urandom(args.put_kib * 1024)
         puts = max(16, args.requests // 2)
         for rnd in range(args.rounds):
-            before = cpu_seconds(proc.pid)
+            before = cpu_seconds([proc.pid])
             asyncio.run(drive(url, args.requests, args.concurrency))
-            used = cpu_seconds(proc.pid) - before
+            used = cpu_seconds([proc.pid]) - before
             line = f"{name}, round {rnd + 1}: HEAD {1000 * used / args.requests:.3f} ms"
             if args.put_kib:
                 prime_page_cache(root, nbytes=puts * len(body))
-                before = cpu_seconds(proc.pid)
+                before = cpu_seconds([proc.pid])
                 asyncio.run(drive(url, puts, args.concurrency, body=body, first=rnd * puts))
-                used = cpu_seconds(proc.pid) - before
+                used = cpu_seconds([proc.pid]) - before
                 line += f", PUT {args.put_kib} KiB {1000 * used / puts:.3f} ms"
             print(line + " server CPU per request", flush=True)
     finally:

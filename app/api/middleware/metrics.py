@@ -7,40 +7,79 @@ service and the capacity objects (no double bookkeeping on the request path).
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import time
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    GCCollector,
-    Histogram,
-    PlatformCollector,
-    ProcessCollector,
-)
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 UNMATCHED = "<unmatched>"
 
 
-class HttpMetrics:
-    """The request-side collectors, registered on the app's own registry."""
+class RequestRecorder(Collector):
+    """The request-side series (requests, latency, bytes), kept as plain numbers on the event loop and turned into
+    Prometheus samples at scrape time. The same series as ``prometheus_client``'s Counter and Histogram give (names,
+    labels, buckets, ``_created``), for about a tenth of the CPU per request: no lock, no label lookup, no child
+    objects (one HEAD answered by the lane spent ~9 of its ~27 us in the two collectors' ``inc``/``observe``).
+    The one place a request is recorded: the middleware's and the HEAD lane's (which answers without the
+    middleware). Written from the event loop only; a scrape reads snapshots, from any thread."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.requests = Counter("kvgate_requests", "HTTP requests", ["method", "route", "status"], registry=registry)
-        self.latency = Histogram(
-            "kvgate_request_duration_seconds",
-            "HTTP request latency, until the last body byte is sent",
-            ["method", "route"],
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
+    def __init__(self) -> None:
+        self._requests: dict[tuple[str, str, int], list[float]] = {}
+        """(method, route, status) -> [count, created]"""
+        self._latency: dict[tuple[str, str], list[float]] = {}
+        """(method, route) -> [count in each bucket (not cumulative; +Inf last), sum, created]"""
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self._created = time.time()
+
+    def record(self, method: str, template: str, status: int, seconds: float, received: int, sent: int) -> None:
+        counted = self._requests.get((method, template, status))
+        if counted is None:
+            counted = self._requests[(method, template, status)] = [0, time.time()]
+        counted[0] += 1
+        timed = self._latency.get((method, template))
+        if timed is None:
+            timed = self._latency[(method, template)] = [0] * (len(LATENCY_BUCKETS) + 1) + [0.0, time.time()]
+        timed[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1  # le: a value equal to a bound is in its bucket
+        timed[-2] += seconds
+        if received:
+            self.bytes_in += received
+        if sent:
+            self.bytes_out += sent
+
+    def collect(self) -> Iterator[Metric]:
+        requests = CounterMetricFamily("kvgate_requests", "HTTP requests", labels=["method", "route", "status"])
+        for (method, route, status), (count, created) in list(self._requests.items()):
+            requests.add_metric([method, route, str(status)], count, created=created)
+        yield requests
+        name = "kvgate_request_duration_seconds"
+        latency = HistogramMetricFamily(
+            name, "HTTP request latency, until the last body byte is sent", labels=["method", "route"]
         )
-        self.bytes_in = Counter("kvgate_bytes_in", "request body bytes received", registry=registry)
-        self.bytes_out = Counter("kvgate_bytes_out", "response body bytes sent", registry=registry)
+        for (method, route), timed in list(self._latency.items()):
+            counts, total, created = timed[:-2], timed[-2], timed[-1]
+            buckets = list(zip(_BOUNDS, itertools.accumulate(counts), strict=True))
+            latency.add_metric([method, route], buckets, total)
+            latency.samples.append(Sample(f"{name}_created", {"method": method, "route": route}, created))
+        yield latency
+        yield CounterMetricFamily(
+            "kvgate_bytes_in", "request body bytes received", value=self.bytes_in, created=self._created
+        )
+        yield CounterMetricFamily(
+            "kvgate_bytes_out", "response body bytes sent", value=self.bytes_out, created=self._created
+        )
+
+
+_BOUNDS = [floatToGoString(b) for b in LATENCY_BUCKETS] + ["+Inf"]  # type: ignore[no-untyped-call]
 
 
 class ServiceCollector(Collector):
@@ -64,16 +103,17 @@ class ServiceCollector(Collector):
             yield GaugeMetricFamily("kvgate_max_bytes", "capacity bound", cap.max_bytes)
 
 
+def route_template(route: Any) -> str:
+    """A matched route's label: its path template (``/v1/blocks/{path}``); UNMATCHED for no route."""
+    return getattr(route, "path_format", None) or getattr(route, "path", None) or UNMATCHED
+
+
 class MetricsMiddleware:
     """Counts requests, bytes and latency per route template; pure ASGI, so streaming is untouched."""
 
-    def __init__(self, app: ASGIApp, *, metrics: HttpMetrics) -> None:
+    def __init__(self, app: ASGIApp, *, recorder: RequestRecorder) -> None:
         self.app = app
-        self.m = metrics
-        # the labelled children, looked up once each (``labels()`` takes a lock and builds a key every call); as
-        # bounded as the labels: methods x route templates x statuses
-        self._counted: dict[tuple[str, str, int], Any] = {}
-        self._timed: dict[tuple[str, str], Any] = {}
+        self.recorder = recorder
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -103,33 +143,27 @@ class MetricsMiddleware:
         try:
             await self.app(scope, counting_receive, counting_send)
         finally:
-            route = scope.get("route")
-            template = getattr(route, "path_format", None) or getattr(route, "path", None) or UNMATCHED
-            method = scope.get("method", "")
-            key = (method, template, status)
-            counted = self._counted.get(key)
-            if counted is None:
-                counted = self._counted[key] = self.m.requests.labels(method, template, str(status))
-            counted.inc()
-            timed = self._timed.get((method, template))
-            if timed is None:
-                timed = self._timed[(method, template)] = self.m.latency.labels(method, template)
-            timed.observe(time.perf_counter() - began)
-            if received:
-                self.m.bytes_in.inc(received)
-            if sent:
-                self.m.bytes_out.inc(sent)
+            self.recorder.record(
+                scope.get("method", ""),
+                route_template(scope.get("route")),
+                status,
+                time.perf_counter() - began,
+                received,
+                sent,
+            )
 
 
 def install(app: Any) -> None:
     """Give ``app`` its own registry (``app.state.metrics_registry``, served by :mod:`app.api.routes.metrics`) and
-    the middleware."""
+    the middleware, whose recorder (``app.state.request_recorder``) the HEAD lane shares."""
     registry = CollectorRegistry(auto_describe=True)
-    http = HttpMetrics(registry)
+    recorder = RequestRecorder()
+    registry.register(recorder)
     registry.register(ServiceCollector(app.state))
     # the standard process_* (CPU, memory, fds), python_gc_* and python_info series every Python exporter has
     ProcessCollector(registry=registry)
     GCCollector(registry=registry)
     PlatformCollector(registry=registry)
     app.state.metrics_registry = registry
-    app.add_middleware(MetricsMiddleware, metrics=http)
+    app.state.request_recorder = recorder
+    app.add_middleware(MetricsMiddleware, recorder=recorder)

@@ -24,6 +24,7 @@ from app.api.middleware.principals import Principals
 from app.api.routes import admin, blocks, docs, events, health, lookup, namespaces
 from app.api.routes import metrics as metrics_route
 from app.api.routes.thin import BlockFastPath
+from app.api.server.head_lane import HeadLane
 from app.api.server.runner import GatewayServer, build_server, check_serving
 from app.api.server.supervisor import Supervisor, bind_sockets
 from app.backends import Backends, open_backends
@@ -52,7 +53,13 @@ def create_server(settings: Settings | None = None) -> GatewayServer:
     on SIGHUP and on change; ValueError when the start-up rules refuse the settings."""
     cfg = settings or Settings()
     principals = _principals(cfg)
-    return build_server(app=_app(cfg, principals=principals), settings=cfg, principals=principals)
+    app = _app(cfg, principals=principals)
+    lane = (
+        HeadLane(state=app.state, routes=blocks.router.routes, prefix=blocks.router.prefix + "/", principals=principals)
+        if cfg.head_lane
+        else None
+    )
+    return build_server(app=app, settings=cfg, principals=principals, lane=lane)
 
 
 def serve_workers(settings: Settings, *, env: Mapping[str, str]) -> int:

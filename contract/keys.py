@@ -72,15 +72,7 @@ def parse_block_key(path: str) -> BlockKey:
     if len(path) > MAX_KEY_LEN:
         raise InvalidKey(f"key longer than {MAX_KEY_LEN} characters")
     head, _, tail = path.partition("/")
-    ns_rank = _HEADS.get(head)
-    if ns_rank is None:
-        h = _HEAD_RE.fullmatch(head)
-        if h is None:
-            raise InvalidKey(f"not a block key: {path[:120]!r}")
-        ns_rank = (h["namespace"], int(h["rank"]))
-        if len(_HEADS) >= _MAX_HEADS:
-            _HEADS.clear()
-        _HEADS[head] = ns_rank
+    ns_rank = _parse_head(head, path)
     m = _TAIL_RE.fullmatch(tail)
     if m is None or len(m["hash"]) % 2:
         raise InvalidKey(f"not a block key: {path[:120]!r}")
@@ -91,6 +83,26 @@ def parse_block_key(path: str) -> BlockKey:
     if group >= 2**32:
         raise InvalidKey("group index out of range")
     return BlockKey(namespace=ns_rank[0], rank=ns_rank[1], group=group, block_hash=block_hash)
+
+
+def _parse_head(head: str, path: str) -> tuple[str, int]:
+    """``(namespace, rank)`` of a block path's first segment ``<ns>_r<rank>`` (remembered: a deployment has few)."""
+    ns_rank = _HEADS.get(head)
+    if ns_rank is None:
+        h = _HEAD_RE.fullmatch(head)
+        if h is None:
+            raise InvalidKey(f"not a block key: {path[:120]!r}")
+        ns_rank = (h["namespace"], int(h["rank"]))
+        if len(_HEADS) >= _MAX_HEADS:
+            _HEADS.clear()
+        _HEADS[head] = ns_rank
+    return ns_rank
+
+
+def block_namespace(path: str) -> str:
+    """The namespace of a block path, read from its first segment alone (the rest is not checked: for a path known
+    to be a block key, such as one the metadata cache holds); InvalidKey when that segment is not ``<ns>_r<rank>``."""
+    return _parse_head(path.partition("/")[0], path)[0]
 
 
 def check_block_paths(paths: Sequence[str]) -> None:

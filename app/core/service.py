@@ -190,6 +190,12 @@ class BlockService:
         self.counters.hits += 1
         return meta
 
+    def cached(self, path: str) -> Version | None:
+        """The row the metadata cache holds for ``path`` as :meth:`head` would serve it (None: not cached; only
+        block keys are ever cached), nothing counted. Synchronous: the HEAD lane answers from it inside the HTTP
+        protocol, and counts its hit in ``counters``."""
+        return self._versions.cached(path)
+
     async def open(self, key: BlockKey) -> OpenBlock:
         """The version the index names, opened: body, size and digest of one version, always together."""
         path = key.path

@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 from fastapi import FastAPI
 
+from app.api.server.runner import GatewayServer
 from app.config import FsBackend, MemoryBackend, Settings
 from app.core.assembly import Core
 from app.core.capacity import Capacity
@@ -108,6 +109,13 @@ async def running(settings: Settings, *, headers: dict[str, str] | None = None) 
 def served(settings: Settings, *, timeout_s: float = 30.0) -> Iterator[str]:
     """The server ``kvgate serve`` runs (``create_server``: uvicorn, the bounded httptools protocol, TLS when set),
     in a thread of this process on a loopback port; yields its base URL and stops it on exit."""
+    with served_server(settings, timeout_s=timeout_s) as (url, _server):
+        yield url
+
+
+@contextlib.contextmanager
+def served_server(settings: Settings, *, timeout_s: float = 30.0) -> Iterator[tuple[str, GatewayServer]]:
+    """:func:`served`, with the running server (its protocol class, its app) as well."""
     if settings.db_url is None and not (settings.data_dir / "index.db").exists():
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         asyncio.run(_migrated_index(settings.data_dir / "index.db"))
@@ -124,7 +132,7 @@ def served(settings: Settings, *, timeout_s: float = 30.0) -> Iterator[str]:
         time.sleep(0.02)
     scheme = "https" if settings.tls_enabled else "http"
     try:
-        yield f"{scheme}://127.0.0.1:{port}"
+        yield f"{scheme}://127.0.0.1:{port}", gateway
     finally:
         gateway.server.should_exit = True
         thread.join(timeout_s)

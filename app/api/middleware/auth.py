@@ -155,6 +155,33 @@ def _authorization(scope: Scope) -> str | None:
     return None
 
 
+def identify(principals: Principals, scope: Scope) -> tuple[Principal | None, str]:
+    """Who the request is: a bearer token's principal, else the verified client certificate's; None with the reason
+    when neither is valid. Reads only ``scope["headers"]`` and the TLS extension (the HEAD lane calls it with the
+    scope of a request whose path is not parsed yet)."""
+    table = principals.table  # one reading: a reload in between changes nothing for this request
+    header = _authorization(scope) or ""
+    scheme, _, rest = header.partition(" ")
+    if scheme.lower() == "bearer" and rest.strip():
+        token = wire.parse_bearer(header)  # None unless RFC 6750's ASCII grammar: no principal
+        return (table.tokens.authenticate(token) if token is not None else None), "the bearer token is not valid"
+    spec, reason = table.certs.authenticate(peer_cert(scope))
+    return (principal_of(spec) if spec is not None else None), reason
+
+
+def may_read(principals: Principals | None, scope: Scope, namespace: str) -> bool:
+    """Whether the request may read a block of ``namespace``, as :class:`AuthMiddleware` decides for
+    ``GET``/``HEAD /v1/blocks/{path}`` (``principals`` None: auth is off)."""
+    if principals is None:
+        return True
+    principal, _ = identify(principals, scope)
+    return (
+        principal is not None
+        and principal.role >= RULES[("HEAD", "/v1/blocks/{path}")]
+        and (principal.namespaces is None or namespace in principal.namespaces)
+    )
+
+
 class AuthMiddleware:
     """Authenticate and authorize every HTTP request before any route runs (and before a body is read); any other
     kind of connection (a websocket) is refused."""
@@ -229,15 +256,7 @@ class AuthMiddleware:
         await self.app(scope, receive, send)
 
     def _principal(self, scope: Scope) -> tuple[Principal | None, str]:
-        """Who the request is: a bearer token's principal, else the verified client certificate's."""
-        table = self.principals.table  # one reading: a reload in between changes nothing for this request
-        header = _authorization(scope) or ""
-        scheme, _, rest = header.partition(" ")
-        if scheme.lower() == "bearer" and rest.strip():
-            token = wire.parse_bearer(header)  # None unless RFC 6750's ASCII grammar: no principal
-            return (table.tokens.authenticate(token) if token is not None else None), "the bearer token is not valid"
-        spec, reason = table.certs.authenticate(peer_cert(scope))
-        return (principal_of(spec) if spec is not None else None), reason
+        return identify(self.principals, scope)
 
     async def _deny(self, scope: Scope, receive: Receive, send: Send, who: Principal, why: str) -> None:
         path = route_path(scope)[:200]

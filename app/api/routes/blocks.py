@@ -72,6 +72,14 @@ def _checksum_headers(token: str) -> tuple[tuple[str, str], ...]:
     return tuple(headers)
 
 
+@functools.lru_cache(maxsize=4096)
+def encoded_meta_headers(token: str) -> bytes:
+    """:func:`meta_headers` of a version with checksum ``token``, as the lines of an HTTP/1.1 head (the HEAD lane
+    writes them as they are: app/api/server/head_lane.py)."""
+    lines = [*_checksum_headers(token), ("Accept-Ranges", "bytes")]
+    return b"".join(f"{name.lower()}: {value}\r\n".encode("latin-1") for name, value in lines)
+
+
 def meta_headers(meta: Version) -> dict[str, str]:
     """ETag (the quoted checksum token), X-KVGate-Checksum (``<algorithm>=<base64>``), and for a version stored
     with a sha256 its hex in X-KVGate-SHA256 too, as earlier clients read it."""

@@ -38,17 +38,24 @@ async def _headers_too_large(scope: Scope, receive: Receive, send: Send) -> None
     await response(scope, receive, send)
 
 
-def bounded_httptools(*, max_header_bytes: int, header_timeout_s: float) -> type[HttpToolsProtocol]:
-    """uvicorn's httptools protocol with a bound on the request head's size and on the time it takes to arrive."""
+def bounded_httptools(
+    *, max_header_bytes: int, header_timeout_s: float, base: type[HttpToolsProtocol] = HttpToolsProtocol
+) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol (or ``base``, a subclass of it) with a bound on the request head's size and on
+    the time it takes to arrive."""
 
-    class BoundedHttpToolsProtocol(HttpToolsProtocol):
+    parent: Any = base  # a class chosen at run time: its attributes are uvicorn's protocol's
+
+    class BoundedHttpToolsProtocol(parent):  # type: ignore[misc]
+        app: Any  # uvicorn's (annotations only: no class attribute)
+
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._head_bytes = 0
             self._awaiting_head = True
             self._head_timer: asyncio.TimerHandle | None = None
 
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
             self._arm()
 
@@ -93,7 +100,8 @@ def bounded_httptools(*, max_header_bytes: int, header_timeout_s: float) -> type
 
         def _arm(self) -> None:
             if self._head_timer is None:
-                self._head_timer = asyncio.get_running_loop().call_later(header_timeout_s, self._expired)
+                # the protocol's loop: asyncio.get_running_loop() makes a getpid() system call each time (3.11)
+                self._head_timer = self.loop.call_later(header_timeout_s, self._expired)
 
         def _disarm(self) -> None:
             if self._head_timer is not None:

@@ -23,17 +23,21 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from app.api.middleware.principals import Principals
 from app.api.reloading import Reloader
 from app.api.server.bind import bind_warnings, check_bind
+from app.api.server.head_lane import HeadLane, with_head_lane
 from app.api.server.head_limits import bounded_httptools
 from app.api.server.http_body import zero_copy_body
 from app.api.server.tls import TlsContexts, with_peer_cert
 from app.config import Settings
 
 
-def http_protocol(settings: Settings) -> type[HttpToolsProtocol]:
-    """uvicorn's httptools protocol with kvgate's head bounds, zero-copy bodies and (with client certificates) the
-    peer certificate in every scope."""
+def http_protocol(settings: Settings, *, lane: HeadLane | None = None) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol with kvgate's head bounds, zero-copy bodies, (with client certificates) the
+    peer certificate in every scope, and ``lane`` answering HEADs of cached blocks once the bounds are checked."""
+    base = with_head_lane(HttpToolsProtocol, lane) if lane is not None else HttpToolsProtocol
     http = zero_copy_body(
-        bounded_httptools(max_header_bytes=settings.max_header_bytes, header_timeout_s=settings.header_timeout_s)
+        bounded_httptools(
+            max_header_bytes=settings.max_header_bytes, header_timeout_s=settings.header_timeout_s, base=base
+        )
     )
     return with_peer_cert(http) if settings.tls_client_ca is not None else http
 
@@ -91,10 +95,12 @@ def check_serving(settings: Settings) -> list[str]:
     return warnings
 
 
-def build_server(*, app: ASGIApp, settings: Settings, principals: Principals | None) -> GatewayServer:
+def build_server(
+    *, app: ASGIApp, settings: Settings, principals: Principals | None, lane: HeadLane | None = None
+) -> GatewayServer:
     """The server for ``app`` as ``settings`` describe it (``principals``: the table the app's auth checks, reloaded
-    with the TLS files); ValueError (with the reason) when the start-up rules refuse the bind or a TLS file cannot
-    be loaded."""
+    with the TLS files; ``lane``: the app's HEAD lane, None for none); ValueError (with the reason) when the
+    start-up rules refuse the bind or a TLS file cannot be loaded."""
     check_bind(settings)
     warnings = bind_warnings(settings)
     tls = TlsContexts(settings=settings) if settings.tls_enabled else None
@@ -104,7 +110,7 @@ def build_server(*, app: ASGIApp, settings: Settings, principals: Principals | N
         port=settings.port,
         root_path=settings.root_path,
         loop="uvloop",
-        http=http_protocol(settings),
+        http=http_protocol(settings, lane=lane),
         h11_max_incomplete_event_size=settings.max_header_bytes,
         limit_concurrency=settings.limit_concurrency,
         log_level=settings.log_level,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from pathlib import Path
 
 import httpx
@@ -31,3 +32,34 @@ def test_the_served_stack_is_the_one_serve_runs(tmp_path: Path) -> None:
                 answer += chunk
         head, _, body = answer.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 400 ") and json.loads(body)["error"]["code"] == "invalid_request"
+
+
+def _read_head(sock: socket.socket) -> bytes:
+    answer = b""
+    while b"\r\n\r\n" not in answer:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        answer += chunk
+    return answer
+
+
+def test_the_head_deadline_holds_on_a_kept_alive_connection(tmp_path: Path) -> None:
+    """The head timer is made once per connection and re-armed for the deadline in force when it fires
+    (app/api/server/head_limits.py): heads that each arrive in time are never cut, however long the connection
+    lives, and a head that stalls later on the same connection still gets its 408 at its own deadline."""
+    settings = settings_for(tmp_path, header_timeout_s=1.0)
+    with served(settings) as url:
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            began = time.monotonic()
+            while time.monotonic() - began < 2.5:  # past two deadlines of the first head: no cut
+                sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert _read_head(sock).startswith(b"HTTP/1.1 200 "), "a head that arrived in time was cut"
+                time.sleep(0.1)
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+            stalled = time.monotonic()
+            answer = _read_head(sock)
+            waited = time.monotonic() - stalled
+    assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+    assert 0.9 <= waited < 5.0, waited

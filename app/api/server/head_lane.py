@@ -145,8 +145,9 @@ def with_head_lane(base: type[HttpToolsProtocol], lane: HeadLane) -> type[HttpTo
             limit = self.limit_concurrency
             if limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit):
                 return False  # uvicorn answers its 503
-            if any(name in _BODY_HEADERS for name, _ in self.headers):
-                return False
+            for name, _ in self.headers:
+                if name in _BODY_HEADERS:
+                    return False
             url = httptools.parse_url(self.url)
             if url.query is not None:
                 return False

@@ -54,13 +54,14 @@ def bounded_httptools(
             self._head_bytes = 0
             self._awaiting_head = True
             self._head_timer: asyncio.TimerHandle | None = None
+            self._head_deadline: float | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
             self._arm()
 
         def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
+            self._cancel()
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
@@ -98,18 +99,35 @@ def bounded_httptools(
             super().on_message_complete()
             self._awaiting_head = True
 
+        # The head's deadline is a number; the timer that enforces it is made once and kept: when it fires early
+        # (the head it was made for is long done) it re-arms itself for the deadline now in force, if any. A timer
+        # made and cancelled for every request of a keep-alive connection cost more than the lane's whole answer.
+
         def _arm(self) -> None:
+            if self._head_deadline is None:
+                self._head_deadline = self.loop.time() + header_timeout_s
             if self._head_timer is None:
                 # the protocol's loop: asyncio.get_running_loop() makes a getpid() system call each time (3.11)
-                self._head_timer = self.loop.call_later(header_timeout_s, self._expired)
+                self._head_timer = self.loop.call_at(self._head_deadline, self._expired)
 
         def _disarm(self) -> None:
+            self._head_deadline = None
+
+        def _cancel(self) -> None:
+            self._head_deadline = None
             if self._head_timer is not None:
                 self._head_timer.cancel()
                 self._head_timer = None
 
         def _expired(self) -> None:
             self._head_timer = None
+            deadline = self._head_deadline
+            if deadline is None:
+                return
+            if self.loop.time() < deadline:
+                self._head_timer = self.loop.call_at(deadline, self._expired)
+                return
+            self._head_deadline = None
             if not self._awaiting_head or self.transport.is_closing():
                 return
             if self._head_bytes == 0 and self.cycle is None:
@@ -131,7 +149,7 @@ def bounded_httptools(
             self._reject(_raw_error(400, "Bad Request", "invalid_request", msg))
 
         def _reject(self, payload: bytes) -> None:
-            self._disarm()
+            self._cancel()
             self.transport.write(payload)
             self.transport.close()
 

@@ -81,7 +81,8 @@ class MetaCache:
         self._entries = entries
         self._ttl = ttl_s
         self.epochs: Epochs = epochs if epochs is not None else LocalEpochs()
-        self._data: OrderedDict[str, tuple[Version, int, float]] = OrderedDict()
+        self._data: OrderedDict[str, tuple[Version, int, float, int]] = OrderedDict()
+        """key -> (row, the stripe's epoch when it was read, when, the key's stripe: kept, not hashed per hit)"""
 
     @property
     def enabled(self) -> bool:
@@ -91,10 +92,8 @@ class MetaCache:
         item = self._data.get(key)
         if item is None:
             return None
-        meta, epoch, filled = item
-        if epoch != self.epochs.get(stripe_of(key)) or (
-            self._ttl is not None and time.monotonic() - filled > self._ttl
-        ):
+        meta, epoch, filled, stripe = item
+        if epoch != self.epochs.get(stripe) or (self._ttl is not None and time.monotonic() - filled > self._ttl):
             del self._data[key]
             return None
         self._data.move_to_end(key)
@@ -118,7 +117,7 @@ class MetaCache:
     def _put(self, meta: Version, epoch: int) -> None:
         if not self.enabled:
             return
-        self._data[meta.key] = (meta, epoch, time.monotonic())
+        self._data[meta.key] = (meta, epoch, time.monotonic(), stripe_of(meta.key))
         self._data.move_to_end(meta.key)
         while len(self._data) > self._entries:
             self._data.popitem(last=False)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -195,3 +196,45 @@ def test_no_lane_under_a_root_path(tmp_path: Path) -> None:
         answers, _ = _exchange(url, [_head(K1)])
         assert answers[0].startswith(b"HTTP/1.1 200 OK\r\n")
         assert lane.served == 0
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> float | None:
+    """Seconds until the server closed ``sock`` (None: still open after ``seconds``)."""
+    began = time.monotonic()
+    sock.settimeout(seconds)
+    try:
+        return time.monotonic() - began if sock.recv(1) == b"" else None
+    except TimeoutError:
+        return None
+
+
+def test_keep_alive_after_the_lanes_answers(tmp_path: Path) -> None:
+    """The lane's answers leave the connection to uvicorn's keep-alive timeout, as the stack's do: an idle
+    connection is closed once it has been idle that long, one kept busy by the lane's answers is not, and a stack
+    answer after a lane answer starts its own idle time."""
+    with served_server(settings_for(tmp_path, fs=True)) as (url, server):
+        _put_blocks(url)
+        lane = _lane(server)
+        assert lane is not None
+        server.server.config.timeout_keep_alive = 1  # read by each new connection's protocol
+        parts = urlsplit(url)
+        with socket.create_connection((parts.hostname, parts.port), timeout=10) as busy:
+            began = time.monotonic()
+            while time.monotonic() - began < 2.5:  # past two idle timeouts, never idle for one
+                busy.sendall(_head(K1)[1])
+                assert _read_answers(busy, ["HEAD"])[0].startswith(b"HTTP/1.1 200 ")
+                time.sleep(0.2)
+            waited = _closed_within(busy, 5.0)
+            assert waited is not None and 0.5 <= waited <= 2.0, waited  # then idle: closed after ~1 s
+        with socket.create_connection((parts.hostname, parts.port), timeout=10) as mixed:
+            mixed.sendall(_head(K1)[1])
+            assert _read_answers(mixed, ["HEAD"])[0].startswith(b"HTTP/1.1 200 ")
+            time.sleep(0.7)
+            mixed.sendall(_req("GET", f"/v1/blocks/{K1}")[1])  # the stack's answer: uvicorn's own timer
+            assert _read_answers(mixed, ["GET"])[0].startswith(b"HTTP/1.1 200 ")
+            assert _closed_within(mixed, 0.6) is None  # past the lane's first deadline: still open
+            mixed.sendall(_head(K2)[1])
+            assert _read_answers(mixed, ["HEAD"])[0].startswith(b"HTTP/1.1 200 ")
+            waited = _closed_within(mixed, 5.0)
+            assert waited is not None and 0.5 <= waited <= 2.0, waited
+        assert lane.served >= 10

@@ -22,6 +22,7 @@ hit counter; tests/api/test_head_lane.py compares the two on a real server. ``KV
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 from urllib.parse import unquote
@@ -116,18 +117,49 @@ def with_head_lane(base: type[HttpToolsProtocol], lane: HeadLane) -> type[HttpTo
         cycle: Any  # uvicorn's (annotations only: no class attribute)
         head_lane = lane
         _lane_answered = False
+        _idle_at: float | None = None
+        """When the connection, idle after the lane's answer, is to be closed (uvicorn's keep-alive timeout)."""
+        _idle_timer: asyncio.TimerHandle | None = None
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
             if self._lane_answered:
                 self._lane_answered = False
-                # as uvicorn's on_response_complete: the idle connection's keep-alive timer, once nothing is in
-                # flight after this read (a request parsed after the lane's answer may have started)
+                # as uvicorn's on_response_complete: the keep-alive deadline of the idle connection, once nothing
+                # is in flight after this read (a request parsed after the lane's answer may have started)
                 if self.cycle is ANSWERED and not self.transport.is_closing() and not self.pipeline:
-                    self._unset_keepalive_if_required()
-                    self.timeout_keep_alive_task = self.loop.call_later(
-                        self.timeout_keep_alive, self.timeout_keep_alive_handler
-                    )
+                    self._idle()
+
+        # The keep-alive deadline after the lane's answers is a number; its timer is made once and re-arms itself
+        # when it fires early (a timer made and cancelled per request cost as much as the answer's lookup).
+        # uvicorn's own timer (after an answer of the stack) is untouched.
+
+        def _idle(self) -> None:
+            self._idle_at = self.loop.time() + self.timeout_keep_alive
+            if self._idle_timer is None:
+                self._idle_timer = self.loop.call_at(self._idle_at, self._idle_expired)
+
+        def _idle_expired(self) -> None:
+            self._idle_timer = None
+            at = self._idle_at
+            if at is None:
+                return  # busy since, or answered by the stack (whose keep-alive timer is uvicorn's)
+            if self.loop.time() < at:
+                self._idle_timer = self.loop.call_at(at, self._idle_expired)
+                return
+            self._idle_at = None
+            self.timeout_keep_alive_handler()
+
+        def _unset_keepalive_if_required(self) -> None:
+            self._idle_at = None
+            super()._unset_keepalive_if_required()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._idle_at = None
+            if self._idle_timer is not None:
+                self._idle_timer.cancel()
+                self._idle_timer = None
+            super().connection_lost(exc)
 
         def on_headers_complete(self) -> None:
             if self.cycle is ANSWERED and self.transport.is_closing():

@@ -1,17 +1,41 @@
-"""What a block GET's answer must be before its bytes are used: the Range header asked with, the body read (joined
-once, or straight into the caller's buffer), and the checks: a whole object against the version's checksum, a 206
-against the gateway's checksum of exactly the range, a 200 answer to a range request as the whole object, then
-sliced. An answer with nothing to check against is refused."""
+"""A block's bytes on the wire, both ways. Out: a PUT's body sent from the caller's buffer as it is
+(:class:`BlockPayload`). In: what a block GET's answer must be before its bytes are used: the Range header asked
+with, the body read (joined once, or straight into the caller's buffer), and the checks: a whole object against the
+version's checksum, a 206 against the gateway's checksum of exactly the range, a 200 answer to a range request as
+the whole object, then sliced. An answer with nothing to check against is refused."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
 import aiohttp
+from aiohttp.abc import AbstractStreamWriter
 
 from connector.checksums import checksum_off_loop
 from contract import wire
 from contract.wire import CHECKSUM_HEADER, RANGE_CHECKSUM_HEADER, RANGE_DIGEST_HEADER, SHA256, Checksum, WireError
+
+
+class BlockPayload(aiohttp.BytesPayload):
+    """A PUT body written to the connection as the caller's buffer, after the request head, never joined with it.
+
+    aiohttp sends a request's head together with the first body chunk; where ``transport.writelines`` is unsafe
+    (Python before 3.12.9) it does so with ``b"".join((head, body))``: a copy of the whole block into a fresh
+    allocation, whose pages fault in, for every PUT. Writing an empty chunk first sends the head alone; the body
+    then goes to ``transport.write`` as it is (a memoryview of the caller's buffer is not copied unless the socket
+    takes only part of it). Same bytes on the wire (``tests/connector/test_block_payload.py``)."""
+
+    async def write(self, writer: AbstractStreamWriter) -> None:
+        await self.write_with_length(writer, None)
+
+    async def write_with_length(self, writer: AbstractStreamWriter, content_length: int | None) -> None:
+        view = memoryview(self._value)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")  # bytes, whatever the buffer's items (a tensor's memory: floats, 2-D)
+        if content_length is not None and content_length < view.nbytes:
+            view = view[:content_length]
+        await writer.write(b"")  # the head alone (aiohttp keeps it until the first chunk)
+        await writer.write(view)
 
 
 def range_header(byte_range: tuple[int, int] | None) -> dict[str, str]:

@@ -246,7 +246,8 @@ class BlockClient:
             headers["If-None-Match"] = "*"
         if meta is not None:
             headers[BLOCK_META_HEADER] = meta
-        status, (_, body) = await self._request("PUT", f"/v1/blocks/{key}", data=data, headers=headers)
+        payload = body.BlockPayload(data)
+        status, (_, answer) = await self._request("PUT", f"/v1/blocks/{key}", data=payload, headers=headers)
         if status == 412:
             return True
         if status == FULL_STATUS:
@@ -254,7 +255,7 @@ class BlockClient:
             log.debug("gateway full: store dropped key=%s", key)
             return False
         if status >= 300:
-            raise GatewayRejected(status, body[:300].decode(errors="replace"))
+            raise GatewayRejected(status, answer[:300].decode(errors="replace"))
         self.stats.puts += 1
         self.stats.put_bytes += len(data)
         return True

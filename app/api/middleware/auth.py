@@ -172,12 +172,22 @@ def identify(principals: Principals, scope: Scope) -> tuple[Principal | None, st
 def may_read(principals: Principals | None, scope: Scope, namespace: str) -> bool:
     """Whether the request may read a block of ``namespace``, as :class:`AuthMiddleware` decides for
     ``GET``/``HEAD /v1/blocks/{path}`` (``principals`` None: auth is off)."""
+    return _may(principals, scope, namespace, RULES[("HEAD", "/v1/blocks/{path}")])
+
+
+def may_write(principals: Principals | None, scope: Scope, namespace: str) -> bool:
+    """Whether the request may store a block of ``namespace``, as :class:`AuthMiddleware` decides for
+    ``PUT /v1/blocks/{path}`` (``principals`` None: auth is off)."""
+    return _may(principals, scope, namespace, RULES[("PUT", "/v1/blocks/{path}")])
+
+
+def _may(principals: Principals | None, scope: Scope, namespace: str, need: Role) -> bool:
     if principals is None:
         return True
     principal, _ = identify(principals, scope)
     return (
         principal is not None
-        and principal.role >= RULES[("HEAD", "/v1/blocks/{path}")]
+        and principal.role >= need
         and (principal.namespaces is None or namespace in principal.namespaces)
     )
 

@@ -123,14 +123,29 @@ class BodyGuard:
         return exc
 
 
+class UploadSlots:
+    """Block PUTs in flight, against ``max_uploads_in_flight``: one count for the stack (:class:`LimitsMiddleware`)
+    and the PUT lane (app/api/server/put_lane.py). One event loop: plain numbers."""
+
+    __slots__ = ("max", "taken")
+
+    def __init__(self, max_uploads: int) -> None:
+        self.max = max_uploads
+        self.taken = 0
+
+    def refusal(self) -> TooManyRequests | None:
+        """The 429 a new upload gets now, or None when a slot is free."""
+        if self.taken < self.max:
+            return None
+        return TooManyRequests(f"{self.taken} uploads in flight: the gateway takes at most {self.max}")
+
+
 class LimitsMiddleware:
-    def __init__(self, app: ASGIApp, *, settings: Settings) -> None:
+    def __init__(self, app: ASGIApp, *, settings: Settings, slots: UploadSlots) -> None:
         self.app = app
-        self.max_uploads = settings.max_uploads_in_flight
         self.max_json = settings.max_json_body_bytes
         self.body_limits = BodyLimits.of(settings)
-        self.uploads = 0
-        """Block PUTs in flight (one event loop: a plain counter)."""
+        self.slots = slots
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
@@ -141,13 +156,12 @@ class LimitsMiddleware:
         if not is_upload and length is not None and length > self.max_json:
             await response_for(PayloadTooLarge(f"request body over {self.max_json} bytes"))(scope, receive, send)
             return
-        if is_upload and self.uploads >= self.max_uploads:
-            exc = TooManyRequests(f"{self.uploads} uploads in flight: the gateway takes at most {self.max_uploads}")
-            await response_for(exc)(scope, receive, send)
+        if is_upload and (refusal := self.slots.refusal()) is not None:
+            await response_for(refusal)(scope, receive, send)
             return
         guard = BodyGuard(scope, receive, send, limits=self.body_limits, max_bytes=None if is_upload else self.max_json)
         if is_upload:
-            self.uploads += 1
+            self.slots.taken += 1
         try:
             await self.app(scope, guard.receive, guard.send)
         except Exception:
@@ -155,8 +169,10 @@ class LimitsMiddleware:
                 raise
         finally:
             if is_upload:
-                self.uploads -= 1
+                self.slots.taken -= 1
 
 
 def install(app: FastAPI, settings: Settings) -> None:
-    app.add_middleware(LimitsMiddleware, settings=settings)
+    """The middleware, and its upload slots as ``app.state.upload_slots`` (the PUT lane takes from the same)."""
+    slots = app.state.upload_slots = UploadSlots(settings.max_uploads_in_flight)
+    app.add_middleware(LimitsMiddleware, settings=settings, slots=slots)

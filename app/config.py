@@ -197,6 +197,11 @@ class Settings(BaseSettings):
         description="answer a HEAD of a block whose row the metadata cache holds inside the HTTP protocol, past the "
         "ASGI stack (the same bytes for about 0.7x the CPU); false: every request goes through the stack",
     )
+    put_lane: bool = Field(
+        default=True,
+        description="store a PUT of a whole block whose body came in the same read as its head inside the HTTP "
+        "protocol, past the ASGI stack (the same answers); false: every PUT goes through the stack",
+    )
     limit_concurrency: int | None = Field(default=4096, gt=0, description="uvicorn: connections + tasks (503)")
     sqlite_busy_timeout_s: float = Field(default=30.0, ge=0, description="wait on a locked SQLite index")
     sqlite_mmap_bytes: int = Field(

@@ -24,7 +24,8 @@ from app.api.middleware.principals import Principals
 from app.api.routes import admin, blocks, docs, events, health, lookup, namespaces
 from app.api.routes import metrics as metrics_route
 from app.api.routes.thin import BlockFastPath
-from app.api.server.head_lane import HeadLane
+from app.api.server.lanes import HeadLane
+from app.api.server.put_lane import PutLane
 from app.api.server.runner import GatewayServer, build_server, check_serving
 from app.api.server.supervisor import Supervisor, bind_sockets
 from app.backends import Backends, open_backends
@@ -54,12 +55,25 @@ def create_server(settings: Settings | None = None) -> GatewayServer:
     cfg = settings or Settings()
     principals = _principals(cfg)
     app = _app(cfg, principals=principals)
+    prefix = blocks.router.prefix + "/"
     lane = (
-        HeadLane(state=app.state, routes=blocks.router.routes, prefix=blocks.router.prefix + "/", principals=principals)
+        HeadLane(state=app.state, routes=blocks.router.routes, prefix=prefix, principals=principals)
         if cfg.head_lane
         else None
     )
-    return build_server(app=app, settings=cfg, principals=principals, lane=lane)
+    put_lane = (
+        PutLane(
+            state=app.state,
+            app=app,
+            routes=blocks.router.routes,
+            prefix=prefix,
+            principals=principals,
+            max_bytes=cfg.max_block_bytes,
+        )
+        if cfg.put_lane
+        else None
+    )
+    return build_server(app=app, settings=cfg, principals=principals, lane=lane, put_lane=put_lane)
 
 
 def serve_workers(settings: Settings, *, env: Mapping[str, str]) -> int:

@@ -1,4 +1,4 @@
-"""The HEAD lane (app/api/server/head_lane.py) answers byte for byte what the full ASGI stack answers.
+"""The HEAD lane (app/api/server/lanes.py) answers byte for byte what the full ASGI stack answers.
 
 Two real servers (``create_server``, uvicorn on loopback, in threads of this process) hold the same blocks, one with
 the lane and one without (``head_lane=False``). The same raw HTTP/1.1 bytes go to both, over sockets: single
@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from app.api.server.head_lane import HeadLane
+from app.api.server.lanes import HeadLane
 from app.api.server.runner import GatewayServer
 from tests.conftest import key_for, random_bytes, sha
 from tests.security.conftest import TOKENS, tokens_json

@@ -167,7 +167,7 @@ class BlockFastPath:
             response = await handler(request)
             await response(scope, receive, sender)
         except Exception as exc:
-            on_error = _exception_handler(scope["app"], exc)
+            on_error = find_exception_handler(scope["app"], exc)
             if on_error is None:
                 raise
             if started:
@@ -179,7 +179,7 @@ class BlockFastPath:
             exc.__traceback__ = None
 
 
-def _exception_handler(app: Any, exc: Exception) -> Callable[[Request, Exception], Any] | None:
+def find_exception_handler(app: Any, exc: Exception) -> Callable[[Request, Exception], Any] | None:
     handlers: dict[Any, Any] = app.exception_handlers
     if isinstance(exc, StarletteHTTPException) and exc.status_code in handlers:
         return handlers[exc.status_code]  # type: ignore[no-any-return]

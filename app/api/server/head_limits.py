@@ -90,10 +90,12 @@ def bounded_httptools(
                 return
             log.warning("request head of %s bytes from %s (limit %s)", size, self.client, max_header_bytes)
             app, self.app = self.app, _headers_too_large  # the whole head arrived in one read: answer 431
+            self.head_too_large = True  # through the stack: no lane (app/api/server/lanes.py) takes it
             try:
                 super().on_headers_complete()
             finally:
                 self.app = app
+                self.head_too_large = False
 
         def on_message_complete(self) -> None:
             super().on_message_complete()

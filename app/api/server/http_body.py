@@ -33,6 +33,9 @@ class BodyChunks:
     def __len__(self) -> int:
         return self._size
 
+    def chunks(self) -> list[bytes]:
+        return self._parts
+
     def __bytes__(self) -> bytes:
         if len(self._parts) == 1 and type(self._parts[0]) is bytes:
             return self._parts[0]

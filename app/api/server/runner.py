@@ -23,17 +23,23 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from app.api.middleware.principals import Principals
 from app.api.reloading import Reloader
 from app.api.server.bind import bind_warnings, check_bind
-from app.api.server.head_lane import HeadLane, with_head_lane
 from app.api.server.head_limits import bounded_httptools
 from app.api.server.http_body import zero_copy_body
+from app.api.server.lanes import HeadLane, with_lanes
+from app.api.server.put_lane import PutLane
 from app.api.server.tls import TlsContexts, with_peer_cert
 from app.config import Settings
 
 
-def http_protocol(settings: Settings, *, lane: HeadLane | None = None) -> type[HttpToolsProtocol]:
+def http_protocol(
+    settings: Settings, *, lane: HeadLane | None = None, put_lane: PutLane | None = None
+) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol with kvgate's head bounds, zero-copy bodies, (with client certificates) the
-    peer certificate in every scope, and ``lane`` answering HEADs of cached blocks once the bounds are checked."""
-    base = with_head_lane(HttpToolsProtocol, lane) if lane is not None else HttpToolsProtocol
+    peer certificate in every scope, and the lanes once the bounds are checked: ``lane`` answering HEADs of cached
+    blocks, ``put_lane`` storing whole small blocks (app/api/server/lanes.py)."""
+    base: type[HttpToolsProtocol] = HttpToolsProtocol
+    if lane is not None or put_lane is not None:
+        base = with_lanes(HttpToolsProtocol, head=lane, put=put_lane)
     http = zero_copy_body(
         bounded_httptools(
             max_header_bytes=settings.max_header_bytes, header_timeout_s=settings.header_timeout_s, base=base
@@ -96,7 +102,12 @@ def check_serving(settings: Settings) -> list[str]:
 
 
 def build_server(
-    *, app: ASGIApp, settings: Settings, principals: Principals | None, lane: HeadLane | None = None
+    *,
+    app: ASGIApp,
+    settings: Settings,
+    principals: Principals | None,
+    lane: HeadLane | None = None,
+    put_lane: PutLane | None = None,
 ) -> GatewayServer:
     """The server for ``app`` as ``settings`` describe it (``principals``: the table the app's auth checks, reloaded
     with the TLS files; ``lane``: the app's HEAD lane, None for none); ValueError (with the reason) when the
@@ -110,7 +121,7 @@ def build_server(
         port=settings.port,
         root_path=settings.root_path,
         loop="uvloop",
-        http=http_protocol(settings, lane=lane),
+        http=http_protocol(settings, lane=lane, put_lane=put_lane),
         h11_max_incomplete_event_size=settings.max_header_bytes,
         limit_concurrency=settings.limit_concurrency,
         log_level=settings.log_level,

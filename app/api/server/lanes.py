@@ -1,10 +1,16 @@
-"""HEAD of a cached block, answered inside the HTTP protocol: no ASGI task, no middleware chain, no Response object.
+"""The lanes: requests of the data path answered inside the HTTP protocol, past the ASGI stack.
+
+:func:`with_lanes` wires two into uvicorn's protocol: the HEAD lane (:class:`HeadLane`, below) and the PUT lane
+(app/api/server/put_lane.py: a small block's PUT whose body came with its head). Each takes only what it can
+answer completely and as the stack would; everything else goes down the stack unchanged.
+
+HEAD of a cached block, answered inside the HTTP protocol: no ASGI task, no middleware chain, no Response object.
 
 ``HEAD /v1/blocks/{path}`` is the request a connector makes for every block it might load and a router for every
 prefix it scores; the answer is a few header lines from the metadata cache. Through the ASGI stack it cost ~3x
 nginx's CPU (``benchmarks.cost``), most of it the stack itself: uvicorn's task and cycle per request, the
 middlewares' send wrappers, Starlette's Request and Response (``benchmarks.http_floor``: a bare ASGI app on the
-same server already costs 1.5x nginx per HEAD). :func:`with_head_lane` answers it where the request head has just
+same server already costs 1.5x nginx per HEAD). :func:`with_lanes` answers it where the request head has just
 been parsed, synchronously, when it can answer completely:
 
 - a ``HEAD`` of ``/v1/blocks/<key>``, no query, no body, no ``Expect``, no upgrade, no root path configured;
@@ -28,12 +34,15 @@ from typing import Any
 from urllib.parse import unquote
 
 import httptools
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from app.api.middleware.auth import may_read
 from app.api.middleware.metrics import RequestRecorder, route_template
 from app.api.middleware.principals import Principals
 from app.api.routes.blocks import encoded_meta_headers
+from app.api.server.http_body import BodyChunks
+from app.api.server.put_lane import LanePut, PutLane
 from contract.keys import InvalidKey, block_namespace
 
 _OK = STATUS_LINE[200]
@@ -106,23 +115,50 @@ class _Answered:
 ANSWERED: Any = _Answered()
 
 
-def with_head_lane(base: type[HttpToolsProtocol], lane: HeadLane) -> type[HttpToolsProtocol]:
-    """``base`` (uvicorn 0.55's httptools protocol or a subclass; pinned in pyproject.toml) answering what ``lane``
-    can answer as soon as a request's head is parsed. Put it under the protocols that bound the head (their
-    ``on_headers_complete`` runs first and calls this one)."""
+class _LaneCycle:
+    """Stands in for uvicorn's cycle of a PUT the lane took: collecting its body (``collecting``), then being stored
+    (not complete: a request pipelined behind it waits in uvicorn's pipeline), then answered."""
+
+    __slots__ = ("body", "collecting", "disconnected", "keep_alive", "previous", "put", "response_complete")
+    message_event = _NoEvent()
+    more_body = True
+
+    def __init__(self, previous: Any, put: LanePut, keep_alive: bool) -> None:
+        self.previous = previous
+        """The connection's cycle before this request (restored when the request goes to the stack)."""
+        self.put = put
+        self.body = BodyChunks()
+        self.collecting = True
+        self.response_complete = False
+        self.disconnected = False
+        self.keep_alive = keep_alive
+        """Cleared by uvicorn's shutdown(): the answer then closes the connection."""
+
+
+def with_lanes(base: type[HttpToolsProtocol], *, head: HeadLane | None, put: PutLane | None) -> type[HttpToolsProtocol]:
+    """``base`` (uvicorn 0.55's httptools protocol or a subclass; pinned in pyproject.toml) answering what the lanes
+    can answer as soon as a request's head is parsed (``head``, ``put``: None for a lane turned off). Put it under
+    the protocols that bound the head (their ``on_headers_complete`` runs first and calls this one; an oversized
+    head, which they answer 431 through the stack, is never a lane's)."""
 
     parent: Any = base  # a class chosen at run time: its attributes are uvicorn's protocol's
 
-    class HeadLaneProtocol(parent):  # type: ignore[misc]
+    class LanesProtocol(parent):  # type: ignore[misc]
         cycle: Any  # uvicorn's (annotations only: no class attribute)
-        head_lane = lane
+        head_lane = head
+        put_lane = put
+        head_too_large = False
+        """Set by the head bounds while the stack answers 431: no lane takes the request."""
         _lane_answered = False
         _idle_at: float | None = None
-        """When the connection, idle after the lane's answer, is to be closed (uvicorn's keep-alive timeout)."""
+        """When the connection, idle after a lane's answer, is to be closed (uvicorn's keep-alive timeout)."""
         _idle_timer: asyncio.TimerHandle | None = None
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
+            cycle = self.cycle
+            if type(cycle) is _LaneCycle and cycle.collecting:
+                self._to_stack(cycle)  # the body is still to come: the stack reads it, with its guards
             if self._lane_answered:
                 self._lane_answered = False
                 # as uvicorn's on_response_complete: the keep-alive deadline of the idle connection, once nothing
@@ -130,7 +166,7 @@ def with_head_lane(base: type[HttpToolsProtocol], lane: HeadLane) -> type[HttpTo
                 if self.cycle is ANSWERED and not self.transport.is_closing() and not self.pipeline:
                     self._idle()
 
-        # The keep-alive deadline after the lane's answers is a number; its timer is made once and re-arms itself
+        # The keep-alive deadline after the lanes' answers is a number; its timer is made once and re-arms itself
         # when it fires early (a timer made and cancelled per request cost as much as the answer's lookup).
         # uvicorn's own timer (after an answer of the stack) is untouched.
 
@@ -164,12 +200,36 @@ def with_head_lane(base: type[HttpToolsProtocol], lane: HeadLane) -> type[HttpTo
         def on_headers_complete(self) -> None:
             if self.cycle is ANSWERED and self.transport.is_closing():
                 return  # the lane answered with Connection: close: what follows on the connection is dropped
-            if not self._lane(time.perf_counter()):
+            if self.head_too_large or not self._lane(time.perf_counter()):
                 super().on_headers_complete()
+
+        def on_body(self, body: bytes) -> None:
+            cycle = self.cycle
+            if type(cycle) is _LaneCycle and cycle.collecting:
+                cycle.body += body
+            else:
+                super().on_body(body)
+
+        def on_message_complete(self) -> None:
+            cycle = self.cycle
+            if type(cycle) is _LaneCycle and cycle.collecting:
+                cycle.collecting = False
+                task = self.loop.create_task(self._store(cycle))
+                task.add_done_callback(self.tasks.discard)
+                self.tasks.add(task)  # uvicorn's concurrency limit and graceful shutdown count it
+            else:
+                super().on_message_complete()
 
         def _lane(self, began: float) -> bool:
             parser = self.parser
-            if parser.get_method() != b"HEAD" or self.root_path or self.expect_100_continue:
+            method = parser.get_method()
+            if method == b"HEAD":
+                lane: Any = head
+            elif method == b"PUT":
+                lane = put
+            else:
+                return False
+            if lane is None or self.root_path or self.expect_100_continue:
                 return False
             cycle = self.cycle
             if (cycle is not None and not cycle.response_complete) or self.pipeline or parser.should_upgrade():
@@ -177,28 +237,27 @@ def with_head_lane(base: type[HttpToolsProtocol], lane: HeadLane) -> type[HttpTo
             limit = self.limit_concurrency
             if limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit):
                 return False  # uvicorn answers its 503
-            for name, _ in self.headers:
-                if name in _BODY_HEADERS:
-                    return False
             url = httptools.parse_url(self.url)
             if url.query is not None:
                 return False
             path = url.path.decode("ascii")
             if "%" in path:
                 path = unquote(path)
+            keep_alive = parser.get_http_version() != "1.0" and parser.should_keep_alive()
+            if lane is put:
+                taken = lane.accept(path, self.scope, self.headers, began)
+                if taken is None:
+                    return False
+                self.cycle = _LaneCycle(cycle, taken, keep_alive)
+                return True
+            for name, _ in self.headers:
+                if name in _BODY_HEADERS:
+                    return False
             lines = lane.answer(path, self.scope)
             if lines is None:
                 return False
-            keep_alive = parser.get_http_version() != "1.0" and parser.should_keep_alive()
-            head = [_OK]
-            for name, value in self.server_state.default_headers:
-                head += (name, b": ", value, b"\r\n")
-            head.append(lines)
-            if not keep_alive:
-                head.append(b"connection: close\r\n")
-            head.append(b"\r\n")
             self.cycle = ANSWERED
-            self.transport.write(b"".join(head))
+            self.transport.write(self._head(_OK, lines, keep_alive))
             self.server_state.total_requests += 1
             if keep_alive:
                 self._lane_answered = True
@@ -207,5 +266,54 @@ def with_head_lane(base: type[HttpToolsProtocol], lane: HeadLane) -> type[HttpTo
             lane.record(time.perf_counter() - began)
             return True
 
-    HeadLaneProtocol.__name__ = f"HeadLane{base.__name__}"
-    return HeadLaneProtocol
+        def _head(self, status_line: bytes, lines: bytes, keep_alive: bool) -> bytes:
+            head = [status_line]
+            for name, value in self.server_state.default_headers:
+                head += (name, b": ", value, b"\r\n")
+            head.append(lines)
+            if not keep_alive:
+                head.append(b"connection: close\r\n")
+            head.append(b"\r\n")
+            return b"".join(head)
+
+        def _to_stack(self, cycle: _LaneCycle) -> None:
+            """Hand a PUT whose body is not all here to the stack, as uvicorn would have when its head was parsed,
+            with the body's chunks so far."""
+            assert put is not None
+            put.release(cycle.put)
+            self.cycle = cycle.previous
+            if self.transport.is_closing():
+                return  # a parse error answered 400 and closed the connection
+            super().on_headers_complete()  # uvicorn's: the head bounds were checked before the lane took it
+            if len(cycle.body):
+                self.cycle.body = cycle.body
+                if len(cycle.body) > HIGH_WATER_LIMIT:
+                    self.flow.pause_reading()
+                self.cycle.message_event.set()
+
+        async def _store(self, cycle: _LaneCycle) -> None:
+            assert put is not None
+            taken = cycle.put
+            answer = await put.store(taken, cycle.body.chunks())
+            cycle.response_complete = True
+            put.record(taken, answer, time.perf_counter() - taken.began)
+            transport = self.transport
+            if transport.is_closing():
+                return  # the client went away: stored all the same, as the stack's handler would have
+            keep_alive = cycle.keep_alive
+            transport.write(self._head(STATUS_LINE[answer.status], answer.lines, keep_alive) + answer.body)
+            self.server_state.total_requests += 1
+            if not keep_alive:
+                transport.close()
+                return
+            # as uvicorn's on_response_complete, with the lanes' keep-alive deadline
+            self._unset_keepalive_if_required()
+            self.flow.resume_reading()
+            if self.pipeline:
+                next_cycle, app = self.pipeline.pop()
+                self._start_asgi_task(next_cycle, app)
+            else:
+                self._idle()
+
+    LanesProtocol.__name__ = f"Lanes{base.__name__}"
+    return LanesProtocol

@@ -1,0 +1,196 @@
+"""PUT of a whole block whose body came with its head, stored from inside the HTTP protocol: no ASGI cycle, no
+middleware chain, no Request, no pydantic response.
+
+A small PUT paid for the whole ASGI stack around ``BlockService.put``: uvicorn's cycle and its send, the metrics,
+auth and limits middlewares' wrappers, the route's binding, a pydantic model for a four-field answer. The lane
+(wired into uvicorn's protocol by :func:`app.api.server.lanes.with_lanes`) takes a PUT when, as its head is parsed:
+
+- it is ``PUT /v1/blocks/<key>`` of a key that parses, with no query, no ``Expect``, no upgrade, no root path, no
+  earlier request of the connection still being answered, under uvicorn's concurrency limit;
+- it declares one ``Content-Length`` within ``max_block_bytes``, no ``Transfer-Encoding``, no ``Content-Range`` (a
+  part goes to the stack), ``If-None-Match`` absent or ``*``, and its checksum and block-meta headers parse;
+- the caller may write the key's namespace (:func:`app.api.middleware.auth.may_write`, the auth middleware's rule for
+  this route) and an upload slot is free (:class:`app.api.middleware.limits.UploadSlots`, shared with the stack);
+
+and its whole body arrived in the same read as its head (so no body rate or pause can apply: the lane never waits
+for a client). Anything else, including a body still to come at the end of that read, goes down the usual stack
+exactly as uvicorn would have sent it. The lane calls the route's own service call (``BlockService.put``) with the
+body's chunks as they came, answers the route's bytes (uvicorn's default headers, ETag, Location, the JSON body),
+errors through the app's own exception handlers, and counts the request in the same metrics. tests/api/
+test_put_lane.py compares it with the stack on real servers. ``KVGATE_PUT_LANE=false`` turns it off.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+
+from app.api.middleware.auth import may_write
+from app.api.middleware.limits import UploadSlots
+from app.api.middleware.metrics import RequestRecorder, route_template
+from app.api.middleware.principals import Principals
+from app.api.routes.thin import find_exception_handler
+from app.core.events_meta import WriterMeta, parse_meta_header, writer_meta
+from contract import wire
+from contract.keys import BlockKey, InvalidKey, parse_block_key
+from contract.wire import BLOCK_META_HEADER, CHECKSUM_HEADER, DIGEST_HEADER
+
+log = logging.getLogger("uvicorn.error")  # where uvicorn logs an ASGI app's unhandled exception
+
+_CHECKSUM = CHECKSUM_HEADER.lower().encode()
+_DIGEST = DIGEST_HEADER.lower().encode()
+_META = BLOCK_META_HEADER.lower().encode()
+_READ = frozenset({b"content-length", b"if-none-match", _CHECKSUM, _DIGEST, _META})
+_STACK_ONLY = frozenset({b"transfer-encoding", b"content-range", b"x-kvgate-part-checksum", b"x-kvgate-part-sha256"})
+"""Headers that send a PUT to the stack: chunked bodies and parts."""
+_JSON = b"content-type: application/json\r\n"
+
+
+@dataclass(slots=True)
+class LanePut:
+    """A PUT the lane took, as its head was parsed."""
+
+    key: BlockKey
+    size: int
+    digest: str | None
+    create_only: bool
+    meta: WriterMeta | None
+    scope: Any
+    """The request's ASGI scope (for an exception handler's Request)."""
+    began: float
+
+
+@dataclass(slots=True)
+class Answer:
+    status: int
+    lines: bytes
+    """The header lines after the server's default headers."""
+    body: bytes
+
+
+class PutLane:
+    """Takes a PUT of a whole block (:meth:`accept`) and stores it (:meth:`store`)."""
+
+    def __init__(
+        self, *, state: Any, app: Any, routes: list[Any], prefix: str, principals: Principals | None, max_bytes: int
+    ) -> None:
+        self._state = state
+        """The app's state: ``core`` once the lifespan has built it, ``upload_slots``, ``request_recorder``."""
+        self._app = app
+        self.prefix = prefix
+        self._principals = principals
+        self._max_bytes = max_bytes
+        puts = [r for r in routes if "PUT" in (getattr(r, "methods", None) or ()) and r.path.startswith(prefix)]
+        self.template = route_template(puts[0]) if puts else None
+        self._service: Any = None
+        self.served = 0
+        """PUTs this lane stored or refused (tests read it)."""
+
+    def accept(self, path: str, scope: Any, headers: list[tuple[bytes, bytes]], began: float) -> LanePut | None:
+        """The PUT of ``path`` (its head just parsed) taken by the lane, holding an upload slot; None: the stack's."""
+        service = self._service
+        if service is None:
+            core = getattr(self._state, "core", None)  # built by the lifespan
+            if core is None or self.template is None:
+                return None
+            service = self._service = core.service
+        slots: UploadSlots = self._state.upload_slots
+        if slots.taken >= slots.max or not path.startswith(self.prefix):
+            return None
+        seen: dict[bytes, str] = {}
+        for name, value in headers:
+            if name in _READ:
+                if name in seen:
+                    return None  # repeated: the stack's binding decides
+                seen[name] = value.decode("latin-1")
+            elif name in _STACK_ONLY:
+                return None
+        length = seen.get(b"content-length")
+        if length is None or not length.isdigit() or not length.isascii():
+            return None
+        size = int(length)
+        match = seen.get(b"if-none-match")
+        if size > self._max_bytes or (match is not None and match.strip() != "*"):
+            return None
+        try:
+            key = parse_block_key(path[len(self.prefix) :])
+            checksum = wire.parse_request_checksum(seen.get(_CHECKSUM), seen.get(_DIGEST))
+            meta_value = seen.get(_META)
+            meta = parse_meta_header(meta_value) if meta_value is not None else None
+        except (InvalidKey, wire.WireError):
+            return None  # the stack answers the error
+        if not may_write(self._principals, scope, key.namespace):
+            return None
+        scope["method"], scope["path"], scope["raw_path"], scope["query_string"] = "PUT", path, path.encode(), b""
+        slots.taken += 1
+        return LanePut(
+            key=key,
+            size=size,
+            digest=None if checksum is None else checksum.token,
+            create_only=match is not None,
+            meta=meta,
+            scope=scope,
+            began=began,
+        )
+
+    def release(self, put: LanePut) -> None:
+        """Give back ``put``'s upload slot (stored, or handed to the stack)."""
+        self._state.upload_slots.taken -= 1
+
+    async def store(self, put: LanePut, chunks: list[bytes]) -> Answer:
+        """``BlockService.put`` of the body's chunks, answered as the route answers (its slot given back)."""
+        try:
+            if put.meta is not None:
+                writer_meta.set(put.meta)  # this task's own context
+            try:
+                result = await self._service.put(
+                    put.key, _iterate(chunks), size=put.size, digest=put.digest, create_only=put.create_only
+                )
+            except Exception as exc:
+                return await self._error(put, exc)
+        finally:
+            self.release(put)
+        meta = result.meta
+        body = (
+            f'{{"key":{_json(meta.key)},"size":{meta.size},"digest":{_json(meta.digest)},'
+            f'"created":{"true" if result.created else "false"}}}'
+        ).encode()
+        lines = (
+            f"etag: {wire.quote_etag(meta.digest)}\r\nlocation: /v1/blocks/{meta.key}\r\n"
+            f"content-length: {len(body)}\r\n"
+        ).encode("latin-1")
+        return Answer(201 if result.created else 200, lines + _JSON, body)
+
+    async def _error(self, put: LanePut, exc: Exception) -> Answer:
+        """The app's exception handler's answer (the error table's JSON), or Starlette's 500 for an exception no
+        handler takes, logged as uvicorn logs one."""
+        handler = find_exception_handler(self._app, exc)
+        response: Response
+        if handler is None:
+            log.error("Exception in ASGI application", exc_info=exc)
+            response = PlainTextResponse("Internal Server Error", status_code=500)
+        else:
+            response = await handler(Request(put.scope), exc)
+        lines = b"".join(name + b": " + value + b"\r\n" for name, value in response.raw_headers)
+        return Answer(response.status_code, lines, bytes(response.body))
+
+    def record(self, put: LanePut, answer: Answer, seconds: float) -> None:
+        self.served += 1
+        recorder: RequestRecorder | None = getattr(self._state, "request_recorder", None)
+        if recorder is not None and self.template is not None:
+            recorder.record("PUT", self.template, answer.status, seconds, put.size, len(answer.body))
+
+
+def _json(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+async def _iterate(chunks: list[bytes]) -> AsyncIterator[bytes]:
+    for chunk in chunks:
+        yield chunk

@@ -1,0 +1,203 @@
+"""The PUT lane (app/api/server/put_lane.py) answers what the full ASGI stack answers, and stores the same bytes.
+
+Two real servers (``create_server``, uvicorn on loopback, in threads of this process) start empty, one with the lane
+and one without (``put_lane=False``). The same raw HTTP/1.1 bytes go to both, over sockets, in the same order: new
+blocks, identical and changed overwrites, create-only conflicts, checksum mismatches, malformed headers, parts,
+``Expect``, HTTP/1.0, ``Connection: close``, pipelined requests, bodies that come in a later read, callers with and
+without the right token, a full set of upload slots. Every answer must be the same bytes (less the ``date`` line),
+the lane must have taken the ones it can (and only those), and the stored bytes and the request metrics must come
+out equal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from app.api.server.put_lane import PutLane
+from app.api.server.runner import GatewayServer
+from tests.api.test_head_lane import _exchange, _read_answers, _req, _request_samples
+from tests.conftest import crc_header, key_for, random_bytes, sha
+from tests.security.conftest import OTHER_NS, TOKENS, tokens_json
+from tests.unit.inprocess import served_server, settings_for
+
+CHUNKED = b"3\r\nabc\r\n0\r\n\r\n"
+BODY1, BODY2, BODY3 = random_bytes(5000, seed=1), random_bytes(65_536, seed=2), random_bytes(10, seed=3)
+
+
+def _lane(server: GatewayServer) -> PutLane | None:
+    lane: PutLane | None = getattr(server.server.config.http, "put_lane", None)
+    return lane
+
+
+def _put(key: str, body: bytes, *headers: str, version: str = "1.1") -> tuple[str, bytes]:
+    method, head = _req("PUT", f"/v1/blocks/{key}", f"Content-Length: {len(body)}", *headers, version=version)
+    return method, head + body
+
+
+@contextlib.contextmanager
+def _pair(tmp_path: Path, **fields: Any) -> Iterator[tuple[tuple[str, GatewayServer], tuple[str, GatewayServer]]]:
+    with (
+        served_server(settings_for(tmp_path / "lane", fs=True, **fields)) as lane,
+        served_server(settings_for(tmp_path / "stack", fs=True, put_lane=False, **fields)) as stack,
+    ):
+        assert _lane(lane[1]) is not None and _lane(stack[1]) is None
+        yield lane, stack
+
+
+def _stored(url: str, keys: list[str], headers: dict[str, str] | None = None) -> list[tuple[int, bytes, str | None]]:
+    with httpx.Client(base_url=url, headers=headers) as c:
+        out = []
+        for key in keys:
+            r = c.get(f"/v1/blocks/{key}")
+            out.append((r.status_code, r.content, r.headers.get("etag")))
+        return out
+
+
+def test_the_lane_answers_and_stores_as_the_full_stack(tmp_path: Path) -> None:
+    k = [key_for(100 + i) for i in range(20)]
+    pct = k[0].replace("_g0/", "%5Fg0/")  # uvicorn decodes the path: the same key
+    meta = "X-KVGate-Block-Meta: parent=00112233445566778899aabbccddeeff; tokens=1,2,3"
+    cases: list[tuple[str, list[tuple[str, bytes]], int]] = [
+        # (what, requests sent in one write, how many the lane takes)
+        ("new block", [_put(k[0], BODY1)], 1),
+        ("identical again", [_put(k[0], BODY1)], 1),
+        ("percent-encoded path, changed bytes", [_put(pct, BODY2)], 1),
+        ("create-only over a block", [_put(k[0], BODY1, "If-None-Match: *")], 1),
+        ("create-only, new", [_put(k[1], BODY3, "If-None-Match: *")], 1),
+        ("If-None-Match other than *", [_put(k[2], BODY3, 'If-None-Match: "x"')], 0),
+        ("checksum that matches", [_put(k[3], BODY2, f"X-KVGate-Checksum: {crc_header(BODY2)}")], 1),
+        ("checksum that does not match", [_put(k[4], BODY2, f"X-KVGate-Checksum: {crc_header(BODY1)}")], 1),
+        ("earlier client's sha256", [_put(k[5], BODY1, f"X-KVGate-SHA256: {sha(BODY1)}")], 1),
+        ("sha256 that does not match", [_put(k[6], BODY1, f"X-KVGate-SHA256: {sha(BODY3)}")], 1),
+        ("malformed checksum", [_put(k[7], BODY1, "X-KVGate-Checksum: crc64nvme=!!")], 0),
+        ("block meta", [_put(k[8], BODY3, meta)], 1),
+        ("malformed block meta", [_put(k[9], BODY3, "X-KVGate-Block-Meta: tokens=x")], 0),
+        ("bad key", [_put("not-a-key", BODY3)], 0),
+        ("query string", [("PUT", _put(k[10], b"abc")[1].replace(b".bin HTTP", b".bin?x=1 HTTP", 1))], 0),
+        ("a part", [_put(k[11], BODY3, "Content-Range: bytes 0-9/20")], 0),
+        ("Expect: 100-continue", [_put(k[12], BODY3, "Expect: 100-continue")], 0),
+        ("chunked body", [("PUT", _req("PUT", f"/v1/blocks/{k[13]}", "Transfer-Encoding: chunked")[1] + CHUNKED)], 0),
+        ("HTTP/1.0", [_put(k[14], BODY1, version="1.0")], 1),
+        ("Connection: close, then another request", [_put(k[15], BODY1, "Connection: close"), _put(k[16], BODY1)], 1),
+        (
+            "pipelined behind a lane PUT",
+            [_put(k[17], BODY2), _req("HEAD", f"/v1/blocks/{k[17]}"), _req("GET", f"/v1/blocks/{k[17]}"),
+             _put(k[18], BODY1), _req("GET", f"/v1/blocks/{k[18]}")],
+            1,
+        ),
+        ("keep-alive: several in turn", [_put(k[19], BODY1), _put(k[19], BODY3), _put(k[19], BODY1)], 1),
+    ]  # fmt: skip
+    with _pair(tmp_path) as ((lane_url, lane_server), (stack_url, _)):
+        lane = _lane(lane_server)
+        assert lane is not None
+        statuses = set()
+        for what, requests, taken in cases:
+            before = lane.served
+            got, got_closed = _exchange(lane_url, requests)
+            statuses |= {int(answer.split(b" ")[1]) for answer in got}
+            want, want_closed = _exchange(stack_url, requests)
+            assert got == want, what
+            assert got_closed == want_closed, what
+            assert len(got) >= 1, what
+            if taken == 0:
+                assert lane.served == before, what  # a request it must not take went to the stack
+            else:
+                assert lane.served - before >= taken, what
+        assert statuses == {100, 200, 201, 202, 400, 411, 412}
+        assert _stored(lane_url, k) == _stored(stack_url, k)
+        assert _request_samples(lane_url) == _request_samples(stack_url)
+        assert lane.served >= sum(taken for _, _, taken in cases)
+
+
+def test_a_body_still_to_come_goes_to_the_stack(tmp_path: Path) -> None:
+    """A body that is not all in the read that ends the head is read by the stack (its rate and pause guards): the
+    lane never waits for a client. The bytes stored are the same either way."""
+    key = key_for(7)
+    with _pair(tmp_path) as ((lane_url, lane_server), (stack_url, _)):
+        lane = _lane(lane_server)
+        assert lane is not None
+        answers = []
+        for url in (lane_url, stack_url):
+            parts = urlsplit(url)
+            method, raw = _put(key, BODY2)
+            split = len(raw) - len(BODY2) + 1000  # the head and the first 1000 bytes of the body
+            with socket.create_connection((parts.hostname, parts.port), timeout=10) as sock:
+                sock.sendall(raw[:split])
+                time.sleep(0.3)
+                sock.sendall(raw[split:])
+                answers.append(_read_answers(sock, [method]))
+        assert answers[0] == answers[1] and answers[0][0].startswith(b"HTTP/1.1 201 ")
+        assert lane.served == 0
+        etag = answers[0][0].split(b"etag: ")[1].split(b"\r\n")[0].decode()
+        assert _stored(lane_url, [key]) == _stored(stack_url, [key]) == [(200, BODY2, etag)]
+
+
+def test_the_lane_applies_auth_as_the_stack(tmp_path: Path) -> None:
+    who = [None, "read", "write", "admin", "other", "scoped_admin", "bad"]
+    with _pair(tmp_path, tokens=json.loads(tokens_json())) as ((lane_url, lane_server), (stack_url, _)):
+        lane = _lane(lane_server)
+        assert lane is not None
+        statuses = {}
+        for i, name in enumerate(who):
+            auth = [] if name is None else [f"Authorization: Bearer {TOKENS.get(name, 'not-a-token')}"]
+            for key in (key_for(200 + i), key_for(200 + i, namespace=OTHER_NS)):
+                before = lane.served
+                got, _ = _exchange(lane_url, [_put(key, BODY1, *auth)])
+                want, _ = _exchange(stack_url, [_put(key, BODY1, *auth)])
+                assert got == want, (name, key)
+                status = int(got[0].split(b" ")[1])
+                statuses[name, key.startswith(OTHER_NS)] = status
+                assert lane.served - before == (1 if status == 201 else 0), (name, key)
+        assert statuses == {
+            (None, False): 401, (None, True): 401, ("read", False): 403, ("read", True): 403,
+            ("write", False): 201, ("write", True): 201, ("admin", False): 201, ("admin", True): 201,
+            ("other", False): 403, ("other", True): 201, ("scoped_admin", False): 201, ("scoped_admin", True): 403,
+            ("bad", False): 401, ("bad", True): 401,
+        }  # fmt: skip
+        admin = {"Authorization": f"Bearer {TOKENS['admin']}"}
+        assert _request_samples(lane_url, admin) == _request_samples(stack_url, admin)
+
+
+def test_the_lane_and_the_stack_share_the_upload_slots(tmp_path: Path) -> None:
+    """``max_uploads_in_flight`` counts the lane's PUTs and the stack's together: with the one slot held by a PUT
+    whose body is still coming (the stack's), a whole PUT gets the stack's 429, and after it a 201 from the lane."""
+    with _pair(tmp_path, max_uploads_in_flight=1) as ((lane_url, lane_server), (stack_url, _)):
+        lane = _lane(lane_server)
+        assert lane is not None
+        for url in (lane_url, stack_url):
+            parts = urlsplit(url)
+            method, raw = _put(key_for(300), BODY2)
+            with socket.create_connection((parts.hostname, parts.port), timeout=10) as slow:
+                slow.sendall(raw[: len(raw) - 100])  # holds the slot: its body is not complete
+                time.sleep(0.3)
+                refused, _ = _exchange(url, [_put(key_for(301), BODY1)])
+                assert refused[0].startswith(b"HTTP/1.1 429 "), refused
+                slow.sendall(raw[len(raw) - 100 :])
+                assert _read_answers(slow, [method])[0].startswith(b"HTTP/1.1 201 ")
+            stored, _ = _exchange(url, [_put(key_for(301), BODY1)])
+            assert stored[0].startswith(b"HTTP/1.1 201 "), stored
+        assert lane.served == 1
+        assert _request_samples(lane_url) == _request_samples(stack_url)
+
+
+def test_an_oversized_head_is_answered_431_not_by_a_lane(tmp_path: Path) -> None:
+    """A request head over ``max_header_bytes`` that arrives in one read is answered 431 by the head bounds, HEAD
+    and PUT alike: no lane takes it (the HEAD lane answered such a HEAD 200 before)."""
+    big = "X-Filler: " + "a" * 9000
+    with served_server(settings_for(tmp_path, fs=True, max_header_bytes=8192)) as (url, _):
+        with httpx.Client(base_url=url) as c:
+            assert c.put(f"/v1/blocks/{key_for(1)}", content=BODY1).status_code == 201
+        for request in (_req("HEAD", f"/v1/blocks/{key_for(1)}", big), _put(key_for(2), BODY1, big)):
+            answers, _ = _exchange(url, [request])
+            assert answers[0].startswith(b"HTTP/1.1 431 "), answers
+        with httpx.Client(base_url=url) as c:
+            assert c.head(f"/v1/blocks/{key_for(2)}").status_code == 404

@@ -22,7 +22,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from app.api.server.put_lane import PutLane
+from app.api.server.lanes import BODY_WAIT_S
+from app.api.server.put_lane import MAX_BODY_BYTES, PutLane
 from app.api.server.runner import GatewayServer
 from tests.api.test_head_lane import _exchange, _read_answers, _req, _request_samples
 from tests.conftest import crc_header, key_for, random_bytes, sha
@@ -118,27 +119,57 @@ def test_the_lane_answers_and_stores_as_the_full_stack(tmp_path: Path) -> None:
         assert lane.served >= sum(taken for _, _, taken in cases)
 
 
-def test_a_body_still_to_come_goes_to_the_stack(tmp_path: Path) -> None:
-    """A body that is not all in the read that ends the head is read by the stack (its rate and pause guards): the
-    lane never waits for a client. The bytes stored are the same either way."""
-    key = key_for(7)
+def _split_put(url: str, key: str, body: bytes, pause_s: float, *, cut: int = 1000) -> bytes:
+    """A PUT whose head and first ``cut`` body bytes go in one write, the rest ``pause_s`` later; the answer."""
+    parts = urlsplit(url)
+    method, raw = _put(key, body)
+    split = len(raw) - len(body) + cut
+    with socket.create_connection((parts.hostname, parts.port), timeout=10) as sock:
+        sock.sendall(raw[:split])
+        time.sleep(pause_s)
+        sock.sendall(raw[split:])
+        return _read_answers(sock, [method])[0]
+
+
+def test_a_body_late_past_the_wait_goes_to_the_stack(tmp_path: Path) -> None:
+    """The lane waits BODY_WAIT_S for the rest of a body, then hands the request to the stack (its rate and pause
+    guards) with the bytes so far: a body in two writes a moment apart is the lane's, one whose rest comes after
+    the wait is the stack's. The bytes stored and the answers are the same either way."""
+    assert BODY_WAIT_S == 0.25
     with _pair(tmp_path) as ((lane_url, lane_server), (stack_url, _)):
         lane = _lane(lane_server)
         assert lane is not None
-        answers = []
-        for url in (lane_url, stack_url):
-            parts = urlsplit(url)
-            method, raw = _put(key, BODY2)
-            split = len(raw) - len(BODY2) + 1000  # the head and the first 1000 bytes of the body
+        for i, (pause, taken) in enumerate([(0.02, 1), (0.6, 0)]):
+            key = key_for(400 + i)
+            before = lane.served
+            answers = [_split_put(url, key, BODY2, pause) for url in (lane_url, stack_url)]
+            assert answers[0] == answers[1] and answers[0].startswith(b"HTTP/1.1 201 "), pause
+            assert lane.served - before == taken, pause
+            etag = answers[0].split(b"etag: ")[1].split(b"\r\n")[0].decode()
+            assert _stored(lane_url, [key]) == _stored(stack_url, [key]) == [(200, BODY2, etag)]
+        big = random_bytes(MAX_BODY_BYTES + 1, seed=9)  # over the lane's bound: the stack's, however it comes
+        assert _exchange(lane_url, [_put(key_for(402), big)])[0][0].startswith(b"HTTP/1.1 201 ")
+        assert lane.served == 1
+
+
+def test_a_client_gone_mid_body_gives_its_slot_back(tmp_path: Path) -> None:
+    """A PUT the lane took whose client leaves before the body is all here stores nothing and frees its upload
+    slot (with one slot, the next PUT is stored, not refused 429)."""
+    with served_server(settings_for(tmp_path, fs=True, max_uploads_in_flight=1)) as (url, server):
+        lane = _lane(server)
+        assert lane is not None
+        parts = urlsplit(url)
+        _, raw = _put(key_for(500), BODY2)
+        for _ in range(3):
             with socket.create_connection((parts.hostname, parts.port), timeout=10) as sock:
-                sock.sendall(raw[:split])
-                time.sleep(0.3)
-                sock.sendall(raw[split:])
-                answers.append(_read_answers(sock, [method]))
-        assert answers[0] == answers[1] and answers[0][0].startswith(b"HTTP/1.1 201 ")
-        assert lane.served == 0
-        etag = answers[0][0].split(b"etag: ")[1].split(b"\r\n")[0].decode()
-        assert _stored(lane_url, [key]) == _stored(stack_url, [key]) == [(200, BODY2, etag)]
+                sock.sendall(raw[: len(raw) - 100])
+                time.sleep(0.05)
+            time.sleep(0.05)
+            stored, _ = _exchange(url, [_put(key_for(501), BODY1)])
+            assert stored[0].split(b" ")[1] in (b"200", b"201"), stored
+        with httpx.Client(base_url=url) as c:
+            assert c.head(f"/v1/blocks/{key_for(500)}").status_code == 404
+        assert lane.served == 3
 
 
 def test_the_lane_applies_auth_as_the_stack(tmp_path: Path) -> None:

@@ -115,11 +115,16 @@ class _Answered:
 ANSWERED: Any = _Answered()
 
 
+BODY_WAIT_S = 0.25
+"""How long the PUT lane waits for the rest of a body after the read that ended its head; then the stack reads it,
+under its body guards (rate, pauses: app/api/middleware/limits.py), which count only the time they wait."""
+
+
 class _LaneCycle:
     """Stands in for uvicorn's cycle of a PUT the lane took: collecting its body (``collecting``), then being stored
     (not complete: a request pipelined behind it waits in uvicorn's pipeline), then answered."""
 
-    __slots__ = ("body", "collecting", "disconnected", "keep_alive", "previous", "put", "response_complete")
+    __slots__ = ("body", "collecting", "disconnected", "keep_alive", "previous", "put", "response_complete", "wait")
     message_event = _NoEvent()
     more_body = True
 
@@ -133,6 +138,14 @@ class _LaneCycle:
         self.disconnected = False
         self.keep_alive = keep_alive
         """Cleared by uvicorn's shutdown(): the answer then closes the connection."""
+        self.wait: asyncio.TimerHandle | None = None
+        """Armed when a read ends before the body does: at :data:`BODY_WAIT_S` the stack takes the request."""
+
+    def stop_collecting(self) -> None:
+        self.collecting = False
+        if self.wait is not None:
+            self.wait.cancel()
+            self.wait = None
 
 
 def with_lanes(base: type[HttpToolsProtocol], *, head: HeadLane | None, put: PutLane | None) -> type[HttpToolsProtocol]:
@@ -157,8 +170,9 @@ def with_lanes(base: type[HttpToolsProtocol], *, head: HeadLane | None, put: Put
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
             cycle = self.cycle
-            if type(cycle) is _LaneCycle and cycle.collecting:
-                self._to_stack(cycle)  # the body is still to come: the stack reads it, with its guards
+            if type(cycle) is _LaneCycle and cycle.collecting and cycle.wait is None:
+                # the body is still coming: a short wait for it, then the stack reads it, with its guards
+                cycle.wait = self.loop.call_later(BODY_WAIT_S, self._body_late, cycle)
             if self._lane_answered:
                 self._lane_answered = False
                 # as uvicorn's on_response_complete: the keep-alive deadline of the idle connection, once nothing
@@ -191,6 +205,11 @@ def with_lanes(base: type[HttpToolsProtocol], *, head: HeadLane | None, put: Put
             super()._unset_keepalive_if_required()
 
         def connection_lost(self, exc: Exception | None) -> None:
+            cycle = self.cycle
+            if type(cycle) is _LaneCycle and cycle.collecting:
+                cycle.stop_collecting()  # gone before its body was all here: nothing stored, its slot back
+                assert put is not None
+                put.release(cycle.put)
             self._idle_at = None
             if self._idle_timer is not None:
                 self._idle_timer.cancel()
@@ -213,7 +232,7 @@ def with_lanes(base: type[HttpToolsProtocol], *, head: HeadLane | None, put: Put
         def on_message_complete(self) -> None:
             cycle = self.cycle
             if type(cycle) is _LaneCycle and cycle.collecting:
-                cycle.collecting = False
+                cycle.stop_collecting()
                 task = self.loop.create_task(self._store(cycle))
                 task.add_done_callback(self.tasks.discard)
                 self.tasks.add(task)  # uvicorn's concurrency limit and graceful shutdown count it
@@ -276,10 +295,15 @@ def with_lanes(base: type[HttpToolsProtocol], *, head: HeadLane | None, put: Put
             head.append(b"\r\n")
             return b"".join(head)
 
+        def _body_late(self, cycle: _LaneCycle) -> None:
+            if self.cycle is cycle and cycle.collecting:
+                self._to_stack(cycle)
+
         def _to_stack(self, cycle: _LaneCycle) -> None:
             """Hand a PUT whose body is not all here to the stack, as uvicorn would have when its head was parsed,
             with the body's chunks so far."""
             assert put is not None
+            cycle.stop_collecting()
             put.release(cycle.put)
             self.cycle = cycle.previous
             if self.transport.is_closing():

@@ -1,5 +1,5 @@
-"""PUT of a whole block whose body came with its head, stored from inside the HTTP protocol: no ASGI cycle, no
-middleware chain, no Request, no pydantic response.
+"""PUT of a small block, stored from inside the HTTP protocol: no ASGI cycle, no middleware chain, no Request, no
+pydantic response.
 
 A small PUT paid for the whole ASGI stack around ``BlockService.put``: uvicorn's cycle and its send, the metrics,
 auth and limits middlewares' wrappers, the route's binding, a pydantic model for a four-field answer. The lane
@@ -7,14 +7,16 @@ auth and limits middlewares' wrappers, the route's binding, a pydantic model for
 
 - it is ``PUT /v1/blocks/<key>`` of a key that parses, with no query, no ``Expect``, no upgrade, no root path, no
   earlier request of the connection still being answered, under uvicorn's concurrency limit;
-- it declares one ``Content-Length`` within ``max_block_bytes``, no ``Transfer-Encoding``, no ``Content-Range`` (a
-  part goes to the stack), ``If-None-Match`` absent or ``*``, and its checksum and block-meta headers parse;
+- it declares one ``Content-Length`` within ``max_block_bytes`` and :data:`MAX_BODY_BYTES`, no
+  ``Transfer-Encoding``, no ``Content-Range`` (a part goes to the stack), ``If-None-Match`` absent or ``*``, and its
+  checksum and block-meta headers parse;
 - the caller may write the key's namespace (:func:`app.api.middleware.auth.may_write`, the auth middleware's rule for
   this route) and an upload slot is free (:class:`app.api.middleware.limits.UploadSlots`, shared with the stack);
 
-and its whole body arrived in the same read as its head (so no body rate or pause can apply: the lane never waits
-for a client). Anything else, including a body still to come at the end of that read, goes down the usual stack
-exactly as uvicorn would have sent it. The lane calls the route's own service call (``BlockService.put``) with the
+and its whole body arrives within :data:`app.api.server.lanes.BODY_WAIT_S` of the read that ended its head (a
+quarter of a second: the body rate and pause guards have nothing to judge in that time). Anything else, including
+a body still coming at that deadline, goes down the usual stack exactly as uvicorn would have sent it, with the
+bytes so far. The lane calls the route's own service call (``BlockService.put``) with the
 body's chunks as they came, answers the route's bytes (uvicorn's default headers, ETag, Location, the JSON body),
 errors through the app's own exception handlers, and counts the request in the same metrics. tests/api/
 test_put_lane.py compares it with the stack on real servers. ``KVGATE_PUT_LANE=false`` turns it off.
@@ -50,6 +52,9 @@ _READ = frozenset({b"content-length", b"if-none-match", _CHECKSUM, _DIGEST, _MET
 _STACK_ONLY = frozenset({b"transfer-encoding", b"content-range", b"x-kvgate-part-checksum", b"x-kvgate-part-sha256"})
 """Headers that send a PUT to the stack: chunked bodies and parts."""
 _JSON = b"content-type: application/json\r\n"
+MAX_BODY_BYTES = 1024 * 1024
+"""The largest body the lane collects (a rank's share of a block at TP 2-8 is 256-512 KiB for Llama-8B-sized
+models); larger ones stream through the stack, whose reads the store's writes pace (flow control)."""
 
 
 @dataclass(slots=True)
@@ -85,7 +90,7 @@ class PutLane:
         self._app = app
         self.prefix = prefix
         self._principals = principals
-        self._max_bytes = max_bytes
+        self._max_bytes = min(max_bytes, MAX_BODY_BYTES)
         puts = [r for r in routes if "PUT" in (getattr(r, "methods", None) or ()) and r.path.startswith(prefix)]
         self.template = route_template(puts[0]) if puts else None
         self._service: Any = None

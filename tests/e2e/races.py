@@ -196,7 +196,9 @@ def all_served(gw: Gateway, before: dict[int, float]) -> None:
     used = {pid: after[pid] - before.get(pid, 0.0) for pid in after}
     assert len(used) == gw.workers, (before, after)
     total = sum(used.values())
-    assert all(u >= 0.1 * total for u in used.values()), f"CPU seconds by worker: {used}"
+    # the kernel spreads connections over the workers' sockets by a hash of their addresses (SO_REUSEPORT): a
+    # short run's split is uneven by chance (0.32 s against 0.03 s once, the machine loaded); an idle worker is 0
+    assert all(u >= 0.05 * total for u in used.values()), f"CPU seconds by worker: {used}"
 
 
 def assert_stats_exact(url: str, rows: dict[str, tuple[int, str]]) -> None:

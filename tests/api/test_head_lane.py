@@ -88,13 +88,17 @@ def _head(key: str, *headers: str, version: str = "1.1") -> tuple[str, bytes]:
 
 
 @contextlib.contextmanager
-def _pair(tmp_path: Path, **fields: Any) -> Iterator[tuple[tuple[str, GatewayServer], tuple[str, GatewayServer]]]:
+def _pair(
+    tmp_path: Path, *, lane: str = "head_lane", **fields: Any
+) -> Iterator[tuple[tuple[str, GatewayServer], tuple[str, GatewayServer]]]:
+    """Two servers on the fs store: with ``lane`` (a setting, and the protocol's attribute of that name) and without."""
     with (
-        served_server(settings_for(tmp_path / "lane", fs=True, **fields)) as lane,
-        served_server(settings_for(tmp_path / "stack", fs=True, head_lane=False, **fields)) as stack,
+        served_server(settings_for(tmp_path / "lane", fs=True, **fields)) as on,
+        served_server(settings_for(tmp_path / "stack", fs=True, **{lane: False}, **fields)) as off,
     ):
-        assert _lane(lane[1]) is not None and _lane(stack[1]) is None
-        yield lane, stack
+        assert getattr(on[1].server.config.http, lane, None) is not None
+        assert getattr(off[1].server.config.http, lane, None) is None
+        yield on, off
 
 
 def _put_blocks(url: str, headers: dict[str, str] | None = None) -> None:

@@ -26,6 +26,7 @@ from app.api.server.lanes import BODY_WAIT_S
 from app.api.server.put_lane import MAX_BODY_BYTES, PutLane
 from app.api.server.runner import GatewayServer
 from tests.api.test_head_lane import _exchange, _read_answers, _req, _request_samples
+from tests.api.test_head_lane import _pair as pair_of_servers
 from tests.conftest import crc_header, key_for, random_bytes, sha
 from tests.security.conftest import OTHER_NS, TOKENS, tokens_json
 from tests.unit.inprocess import served_server, settings_for
@@ -46,12 +47,8 @@ def _put(key: str, body: bytes, *headers: str, version: str = "1.1") -> tuple[st
 
 @contextlib.contextmanager
 def _pair(tmp_path: Path, **fields: Any) -> Iterator[tuple[tuple[str, GatewayServer], tuple[str, GatewayServer]]]:
-    with (
-        served_server(settings_for(tmp_path / "lane", fs=True, **fields)) as lane,
-        served_server(settings_for(tmp_path / "stack", fs=True, put_lane=False, **fields)) as stack,
-    ):
-        assert _lane(lane[1]) is not None and _lane(stack[1]) is None
-        yield lane, stack
+    with pair_of_servers(tmp_path, lane="put_lane", **fields) as servers:
+        yield servers
 
 
 def _stored(url: str, keys: list[str], headers: dict[str, str] | None = None) -> list[tuple[int, bytes, str | None]]:

@@ -1,8 +1,8 @@
 """The lanes: requests of the data path answered inside the HTTP protocol, past the ASGI stack.
 
 :func:`with_lanes` wires two into uvicorn's protocol: the HEAD lane (:class:`HeadLane`, below) and the PUT lane
-(app/api/server/put_lane.py: a small block's PUT whose body came with its head). Each takes only what it can
-answer completely and as the stack would; everything else goes down the stack unchanged.
+(app/api/server/put_lane.py: a small block's PUT whose body is all here within a moment of its head). Each takes
+only what it can answer completely and as the stack would; everything else goes down the stack unchanged.
 
 HEAD of a cached block, answered inside the HTTP protocol: no ASGI task, no middleware chain, no Response object.
 
@@ -42,7 +42,7 @@ from app.api.middleware.metrics import RequestRecorder, route_template
 from app.api.middleware.principals import Principals
 from app.api.routes.blocks import encoded_meta_headers
 from app.api.server.http_body import BodyChunks
-from app.api.server.put_lane import LanePut, PutLane
+from app.api.server.put_lane import LanePut, PutLane, lane_service
 from contract.keys import InvalidKey, block_namespace
 
 _OK = STATUS_LINE[200]
@@ -65,12 +65,9 @@ class HeadLane:
 
     def answer(self, path: str, scope: Any) -> bytes | None:
         """The header lines after the status line and the server's default headers, for ``HEAD path``."""
-        service = self._service
+        service = self._service or lane_service(self)
         if service is None:
-            core = getattr(self._state, "core", None)  # built by the lifespan
-            if core is None or self.template is None:
-                return None
-            service = self._service = core.service
+            return None
         if not path.startswith(self.prefix):
             return None
         key = path[len(self.prefix) :]

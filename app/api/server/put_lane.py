@@ -99,12 +99,9 @@ class PutLane:
 
     def accept(self, path: str, scope: Any, headers: list[tuple[bytes, bytes]], began: float) -> LanePut | None:
         """The PUT of ``path`` (its head just parsed) taken by the lane, holding an upload slot; None: the stack's."""
-        service = self._service
+        service = self._service or lane_service(self)
         if service is None:
-            core = getattr(self._state, "core", None)  # built by the lifespan
-            if core is None or self.template is None:
-                return None
-            service = self._service = core.service
+            return None
         slots: UploadSlots = self._state.upload_slots
         if slots.taken >= slots.max or not path.startswith(self.prefix):
             return None
@@ -190,6 +187,16 @@ class PutLane:
         recorder: RequestRecorder | None = getattr(self._state, "request_recorder", None)
         if recorder is not None and self.template is not None:
             recorder.record("PUT", self.template, answer.status, seconds, put.size, len(answer.body))
+
+
+def lane_service(lane: Any) -> Any:
+    """A lane's ``BlockService``, kept on ``lane._service`` once the app's lifespan has built the core; None before
+    (and for a lane with no route to answer for: every request then goes to the stack)."""
+    core = getattr(lane._state, "core", None)
+    if core is None or lane.template is None:
+        return None
+    lane._service = core.service
+    return core.service
 
 
 def _json(text: str) -> str:

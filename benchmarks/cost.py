@@ -3,6 +3,7 @@
     .venv/bin/python -m benchmarks.cost                      # PUT, GET at 64 KiB and 2 MiB, HEAD; c=16; 3 rounds
     .venv/bin/python -m benchmarks.cost --base 5a2c15d       # and kvgate at another revision beside it
     .venv/bin/python -m benchmarks.cost --workers-compare 1 2 -c 32   # kvgate with 1 worker against 2
+    .venv/bin/python -m benchmarks.cost --env-compare KVGATE_PUT_LANE=false   # and kvgate with these settings
 
 The figure is the **server's CPU time per request**: each server's processes (nginx's master and worker; kvgate's
 process, or its supervisor and every worker) are read from ``/proc`` just before and just after each phase, with
@@ -216,6 +217,8 @@ def main() -> None:
                     help="no nginx: kvgate with each of these worker counts, side by side")  # fmt: skip
     ap.add_argument("--ops", default="put,get,head", help="which of put,get,head to run (get and head need put)")
     ap.add_argument("--no-nginx", action="store_true")
+    ap.add_argument("--env-compare", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                    help="also run kvgate with these environment variables (repeatable)")  # fmt: skip
     ap.add_argument(
         "--fresh-dirs", action="store_true", help="do not make the keys' directories beforehand (PUTs make them)"
     )
@@ -242,6 +245,10 @@ def main() -> None:
                                check=True, capture_output=True)  # fmt: skip
                 systems.append(start_gateway(work, f"kvgate@{args.base}", workers=1, repo=base_tree))
             systems.append(start_gateway(work, "kvgate", workers=args.workers))
+            for i, spec in enumerate(args.env_compare):
+                extra = dict(item.split("=", 1) for item in spec.split(","))
+                systems.append(start_gateway(work, f"kvgate+env{i + 1}", workers=args.workers, extra=extra))
+                print(f"kvgate+env{i + 1}: {spec}")
         plan = [(1000 * rnd + size % 997, max(16, int(COUNTS.get(size, 300) * args.scale)))
                 for rnd in range(args.rounds) for size in args.sizes]  # fmt: skip
         if not args.fresh_dirs:

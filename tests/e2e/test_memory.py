@@ -152,3 +152,31 @@ def test_stalled_range_reads_are_not_held_in_memory(tmp_path: Path) -> None:
         assert again.status_code == 206 and again.content == body[7 : span + 7]
     finally:
         gw.stop()
+
+
+def test_small_puts_on_one_connection_are_not_held(tmp_path: Path) -> None:
+    """400 PUTs of 512 KiB (the PUT lane's: a whole small block) on each of 2 keep-alive connections, 400 MiB in
+    all: the gateway's RSS grows by less than 64 MiB over the last 300 of each. At 17a9f10 it grew by ~300 MiB: each
+    of the lane's cycles kept the one before it (to restore it if the body went to the stack), so a connection's
+    every body stayed reachable for as long as the connection lived. Every block reads back as it was sent."""
+    gw = Gateway(tmp_path / "data", env={"KVGATE_BACKEND__FSYNC": "false"}).start()
+    bodies = [random_bytes(512 * 1024, seed) for seed in range(4)]
+    try:
+        assert gw.proc is not None
+        with httpx.Client(base_url=gw.url, timeout=60) as a, httpx.Client(base_url=gw.url, timeout=60) as b:
+
+            def put_many(start: int, n: int) -> None:
+                for i in range(start, start + n):
+                    for c, side in ((a, 0), (b, 1)):
+                        r = c.put(f"/v1/blocks/{key_for(2 * i + side)}", content=bodies[(2 * i + side) % 4])
+                        assert r.status_code == 201, r.text
+
+            put_many(0, 100)  # warm: the allocator's pools, the index's pages, the metadata cache's first rows
+            base = settle_rss(gw.proc.pid)
+            put_many(100, 300)
+            grown = settle_rss(gw.proc.pid) - base
+            assert grown < 64 * MiB, f"RSS grew by {grown / MiB:.0f} MiB over 600 PUTs of 512 KiB"
+            for i in (0, 1, 399, 798, 799):
+                assert a.get(f"/v1/blocks/{key_for(i)}").content == bodies[i % 4]
+    finally:
+        gw.stop()

@@ -127,7 +127,8 @@ class _LaneCycle:
 
     def __init__(self, previous: Any, put: LanePut, keep_alive: bool) -> None:
         self.previous = previous
-        """The connection's cycle before this request (restored when the request goes to the stack)."""
+        """The connection's cycle before this request (restored when the request goes to the stack), dropped once
+        the body is all here: kept, each of a connection's cycles would hold the one before it, and its body."""
         self.put = put
         self.body = BodyChunks()
         self.collecting = True
@@ -230,6 +231,7 @@ def with_lanes(base: type[HttpToolsProtocol], *, head: HeadLane | None, put: Put
             cycle = self.cycle
             if type(cycle) is _LaneCycle and cycle.collecting:
                 cycle.stop_collecting()
+                cycle.previous = None  # the body is all here: the request is the lane's to the end
                 task = self.loop.create_task(self._store(cycle))
                 task.add_done_callback(self.tasks.discard)
                 self.tasks.add(task)  # uvicorn's concurrency limit and graceful shutdown count it
@@ -316,6 +318,7 @@ def with_lanes(base: type[HttpToolsProtocol], *, head: HeadLane | None, put: Put
             assert put is not None
             taken = cycle.put
             answer = await put.store(taken, cycle.body.chunks())
+            cycle.body = BodyChunks()  # stored: the cycle stays the connection's until its next request, not its bytes
             cycle.response_complete = True
             put.record(taken, answer, time.perf_counter() - taken.began)
             transport = self.transport

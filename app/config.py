@@ -197,6 +197,12 @@ class Settings(BaseSettings):
         description="answer a HEAD of a block whose row the metadata cache holds inside the HTTP protocol, past the "
         "ASGI stack (the same bytes for about 0.7x the CPU); false: every request goes through the stack",
     )
+    get_lane: bool = Field(
+        default=True,
+        description="answer a GET of a whole block of at most 4 MiB whose row the metadata cache holds and whose "
+        "file the page cache holds inside the HTTP protocol, the file sent with sendfile (plain HTTP, the "
+        "filesystem store); false: every GET goes through the stack",
+    )
     put_lane: bool = Field(
         default=True,
         description="store a PUT of a block of at most 1 MiB whose body is all here within 0.25 s of its head "

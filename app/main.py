@@ -24,6 +24,7 @@ from app.api.middleware.principals import Principals
 from app.api.routes import admin, blocks, docs, events, health, lookup, namespaces
 from app.api.routes import metrics as metrics_route
 from app.api.routes.thin import BlockFastPath
+from app.api.server.get_lane import GetLane
 from app.api.server.lanes import HeadLane
 from app.api.server.put_lane import PutLane
 from app.api.server.runner import GatewayServer, build_server, check_serving
@@ -73,7 +74,12 @@ def create_server(settings: Settings | None = None) -> GatewayServer:
         if cfg.put_lane
         else None
     )
-    return build_server(app=app, settings=cfg, principals=principals, lane=lane, put_lane=put_lane)
+    get_lane = (
+        GetLane(state=app.state, routes=blocks.router.routes, prefix=prefix, principals=principals)
+        if cfg.get_lane
+        else None
+    )
+    return build_server(app=app, settings=cfg, principals=principals, lane=lane, put_lane=put_lane, get_lane=get_lane)
 
 
 def serve_workers(settings: Settings, *, env: Mapping[str, str]) -> int:

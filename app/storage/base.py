@@ -182,6 +182,12 @@ class BlockStore(Protocol):
         nothing on this store, so there is never anything to roll forward."""
         return False
 
+    def open_now(self, key: str, *, stamp: str, size: int) -> int | None:
+        """A descriptor of a local file holding version ``stamp`` (``size`` bytes) of ``key``, opened on the calling
+        thread without waiting on a disk, for the kernel to send as it is; None when the store cannot (default: no
+        store but the filesystem's keeps local files). The caller closes it."""
+        return None
+
     def issued(self, stamp: str | None) -> bool:
         """``stamp`` (as ``digest``, ``list`` or ``open`` report it) names a version this store wrote and that has
         not changed since, as opposed to data another program wrote (or changed) under the key."""

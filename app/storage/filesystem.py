@@ -392,6 +392,28 @@ class FilesystemStore(BlockStore):
             raise VersionMismatch(f"{key!r} holds version {found}, the index names {stamp}")
         return FsReader(fd, size, self._chunk, found, inline=self._inline > 0)
 
+    def open_now(self, key: str, *, stamp: str, size: int) -> int | None:
+        """A descriptor of the key's file if it is version ``stamp`` of ``size`` bytes and reading it will not wait
+        on the disk, opened here and now (the GET lane sends it with ``sendfile``, app/api/server/get_lane.py);
+        None for anything else (the reader of :meth:`open` then serves it). Inline reads off (``inline_bytes`` 0: a
+        data root whose metadata or pages the kernel may not hold) is always None. The page cache is probed at the
+        file's first and last byte (``RWF_NOWAIT``): a file written or read lately is cached whole."""
+        if self._inline <= 0:
+            return None
+        try:
+            fd = os.open(self.file_of(key), os.O_RDONLY | os.O_CLOEXEC)
+        except (OSError, InvalidRequest):
+            return None
+        try:
+            st = os.fstat(fd)
+            same = st.st_size == size and read_stamp(fd, st) == stamp
+            if same and _cached_at(fd, 0, size) and _cached_at(fd, size - 1, size):
+                return fd
+        except OSError:
+            pass
+        os.close(fd)
+        return None
+
     async def head(self, key: str) -> int | None:
         path = self.path_of(key)
         try:
@@ -431,3 +453,11 @@ class FilesystemStore(BlockStore):
         """Remove empty directories under ``prefix`` (not ``prefix`` itself) untouched for ``older_than_s``; how
         many. A write that needs one again makes it again (``place``, ``stage``)."""
         return await io(sweep_empty_dirs, self.path_of(prefix.rstrip("/")), older_than_s, what="sweep")
+
+
+def _cached_at(fd: int, pos: int, size: int) -> bool:
+    """Whether the page cache holds the byte at ``pos`` of the file open as ``fd`` (an empty file: nothing to hold)."""
+    if size == 0:
+        return True
+    got = read_cached(fd, 1, pos)
+    return got is not None and len(got) == 1

@@ -99,3 +99,29 @@ async def test_recovery_abilities_keep_what_they_declare(store: BlockStore) -> N
     # restamp refuses a stamp that does not name the version there
     assert await store.restamp(KEY, stamp="not-a-stamp-of-this-version") is None
     assert await store.remove_empty_dirs("_parts/", older_than_s=0) >= 0
+
+
+async def test_open_now_gives_only_the_version_named(store: BlockStore) -> None:  # noqa: F811
+    """``open_now`` (the GET lane's: a local file to send as it is) opens exactly the version named, at its size, or
+    nothing: a store without local files keeps the default (None), as does the filesystem with inline file calls off
+    (network storage: an open may wait); the filesystem with them on, a descriptor of those bytes."""
+    import os
+
+    from app.storage.filesystem import FilesystemStore
+
+    first = await stage(store, random_bytes(3000, 7))
+    await store.publish(first)
+    second = await stage(store, random_bytes(4000, 8))
+    await store.publish(second)
+    fd = store.open_now(KEY, stamp=second.stamp, size=4000)
+    if not isinstance(store, FilesystemStore) or store._inline == 0:
+        assert fd is None
+        return
+    assert fd is not None
+    try:
+        assert os.pread(fd, 5000, 0) == random_bytes(4000, 8)
+    finally:
+        os.close(fd)
+    assert store.open_now(KEY, stamp=first.stamp, size=3000) is None  # replaced
+    assert store.open_now(KEY, stamp=second.stamp, size=3999) is None  # not its size
+    assert store.open_now(key_for(4243), stamp=second.stamp, size=4000) is None  # a miss

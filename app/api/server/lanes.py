@@ -1,6 +1,7 @@
 """The lanes: requests of the data path answered inside the HTTP protocol, past the ASGI stack.
 
-:func:`with_lanes` wires two into uvicorn's protocol: the HEAD lane (:class:`HeadLane`, below) and the PUT lane
+:func:`with_lanes` wires three into uvicorn's protocol: the HEAD lane (:class:`HeadLane`, below), the GET lane
+(app/api/server/get_lane.py: a whole cached block, sent with ``sendfile``) and the PUT lane
 (app/api/server/put_lane.py: a small block's PUT whose body is all here within a moment of its head). Each takes
 only what it can answer completely and as the stack would; everything else goes down the stack unchanged.
 
@@ -29,6 +30,7 @@ hit counter; tests/api/test_head_lane.py compares the two on a real server. ``KV
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from typing import Any
 from urllib.parse import unquote
@@ -41,6 +43,7 @@ from app.api.middleware.auth import may_read
 from app.api.middleware.metrics import RequestRecorder, route_template
 from app.api.middleware.principals import Principals
 from app.api.routes.blocks import encoded_meta_headers
+from app.api.server.get_lane import GetLane, send_file
 from app.api.server.http_body import BodyChunks
 from app.api.server.put_lane import LanePut, PutLane, lane_service
 from contract.keys import InvalidKey, block_namespace
@@ -146,10 +149,12 @@ class _LaneCycle:
             self.wait = None
 
 
-def with_lanes(base: type[HttpToolsProtocol], *, head: HeadLane | None, put: PutLane | None) -> type[HttpToolsProtocol]:
+def with_lanes(
+    base: type[HttpToolsProtocol], *, head: HeadLane | None, put: PutLane | None, get: GetLane | None = None
+) -> type[HttpToolsProtocol]:
     """``base`` (uvicorn 0.55's httptools protocol or a subclass; pinned in pyproject.toml) answering what the lanes
-    can answer as soon as a request's head is parsed (``head``, ``put``: None for a lane turned off). Put it under
-    the protocols that bound the head (their ``on_headers_complete`` runs first and calls this one; an oversized
+    can answer as soon as a request's head is parsed (``head``, ``put``, ``get``: None for a lane turned off). Put it
+    under the protocols that bound the head (their ``on_headers_complete`` runs first and calls this one; an oversized
     head, which they answer 431 through the stack, is never a lane's)."""
 
     parent: Any = base  # a class chosen at run time: its attributes are uvicorn's protocol's
@@ -158,6 +163,7 @@ def with_lanes(base: type[HttpToolsProtocol], *, head: HeadLane | None, put: Put
         cycle: Any  # uvicorn's (annotations only: no class attribute)
         head_lane = head
         put_lane = put
+        get_lane = get
         head_too_large = False
         """Set by the head bounds while the stack answers 431: no lane takes the request."""
         _lane_answered = False
@@ -243,6 +249,8 @@ def with_lanes(base: type[HttpToolsProtocol], *, head: HeadLane | None, put: Put
             method = parser.get_method()
             if method == b"HEAD":
                 lane: Any = head
+            elif method == b"GET":
+                lane = get
             elif method == b"PUT":
                 lane = put
             else:
@@ -252,6 +260,8 @@ def with_lanes(base: type[HttpToolsProtocol], *, head: HeadLane | None, put: Put
             cycle = self.cycle
             if (cycle is not None and not cycle.response_complete) or self.pipeline or parser.should_upgrade():
                 return False
+            if self.flow.write_paused:
+                return False  # the client is not reading what it was sent: the stack's answers wait for it, in turn
             limit = self.limit_concurrency
             if limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit):
                 return False  # uvicorn answers its 503
@@ -269,20 +279,38 @@ def with_lanes(base: type[HttpToolsProtocol], *, head: HeadLane | None, put: Put
                 self.cycle = _LaneCycle(cycle, taken, keep_alive)
                 return True
             for name, _ in self.headers:
-                if name in _BODY_HEADERS:
+                if name in _BODY_HEADERS or (name == b"range" and lane is get):
                     return False
+            if lane is get:
+                got = lane.answer(path, self.scope)
+                if got is None:
+                    return False
+                lines, fd, size = got
+                try:
+                    self.cycle = ANSWERED
+                    self.transport.write(self._head(_OK, lines, keep_alive))
+                    send_file(self.transport, fd, size)
+                finally:
+                    os.close(fd)
+                self._answered(keep_alive)
+                lane.record(time.perf_counter() - began, size)
+                return True
             lines = lane.answer(path, self.scope)
             if lines is None:
                 return False
             self.cycle = ANSWERED
             self.transport.write(self._head(_OK, lines, keep_alive))
+            self._answered(keep_alive)
+            lane.record(time.perf_counter() - began)
+            return True
+
+        def _answered(self, keep_alive: bool) -> None:
+            """A lane's whole answer is written: counted, and the connection kept for the next request or closed."""
             self.server_state.total_requests += 1
             if keep_alive:
                 self._lane_answered = True
             else:
                 self.transport.close()
-            lane.record(time.perf_counter() - began)
-            return True
 
         def _head(self, status_line: bytes, lines: bytes, keep_alive: bool) -> bytes:
             head = [status_line]

@@ -23,6 +23,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from app.api.middleware.principals import Principals
 from app.api.reloading import Reloader
 from app.api.server.bind import bind_warnings, check_bind
+from app.api.server.get_lane import GetLane
 from app.api.server.head_limits import bounded_httptools
 from app.api.server.http_body import zero_copy_body
 from app.api.server.lanes import HeadLane, with_lanes
@@ -32,14 +33,21 @@ from app.config import Settings
 
 
 def http_protocol(
-    settings: Settings, *, lane: HeadLane | None = None, put_lane: PutLane | None = None
+    settings: Settings,
+    *,
+    lane: HeadLane | None = None,
+    put_lane: PutLane | None = None,
+    get_lane: GetLane | None = None,
 ) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol with kvgate's head bounds, zero-copy bodies, (with client certificates) the
     peer certificate in every scope, and the lanes once the bounds are checked: ``lane`` answering HEADs of cached
-    blocks, ``put_lane`` storing whole small blocks (app/api/server/lanes.py)."""
+    blocks, ``put_lane`` storing whole small blocks, ``get_lane`` sending whole cached blocks, over plain HTTP
+    only (app/api/server/lanes.py)."""
     base: type[HttpToolsProtocol] = HttpToolsProtocol
-    if lane is not None or put_lane is not None:
-        base = with_lanes(HttpToolsProtocol, head=lane, put=put_lane)
+    if settings.tls_enabled:
+        get_lane = None  # TLS encrypts in user space: a file cannot go to the socket as it is
+    if lane is not None or put_lane is not None or get_lane is not None:
+        base = with_lanes(HttpToolsProtocol, head=lane, put=put_lane, get=get_lane)
     http = zero_copy_body(
         bounded_httptools(
             max_header_bytes=settings.max_header_bytes, header_timeout_s=settings.header_timeout_s, base=base
@@ -108,6 +116,7 @@ def build_server(
     principals: Principals | None,
     lane: HeadLane | None = None,
     put_lane: PutLane | None = None,
+    get_lane: GetLane | None = None,
 ) -> GatewayServer:
     """The server for ``app`` as ``settings`` describe it (``principals``: the table the app's auth checks, reloaded
     with the TLS files; ``lane``: the app's HEAD lane, None for none); ValueError (with the reason) when the
@@ -121,7 +130,7 @@ def build_server(
         port=settings.port,
         root_path=settings.root_path,
         loop="uvloop",
-        http=http_protocol(settings, lane=lane, put_lane=put_lane),
+        http=http_protocol(settings, lane=lane, put_lane=put_lane, get_lane=get_lane),
         h11_max_incomplete_event_size=settings.max_header_bytes,
         limit_concurrency=settings.limit_concurrency,
         log_level=settings.log_level,

@@ -27,10 +27,17 @@ import httpx
 
 from app.api.server.get_lane import MAX_BYTES, GetLane
 from app.api.server.runner import GatewayServer
-from tests.api.test_head_lane import _exchange, _read_answers, _req, _request_samples
+from tests.api.test_head_lane import (
+    _exchange,
+    _read_answers,
+    _req,
+    _request_samples,
+    check_auth_as_the_stack,
+    check_cases,
+)
 from tests.api.test_head_lane import _pair as pair_of_servers
 from tests.conftest import key_for, random_bytes, sha
-from tests.security.conftest import TOKENS, tokens_json
+from tests.security.conftest import tokens_json
 
 K1, K2, K3, K4, MISSING = key_for(1), key_for(2), key_for(3), key_for(4), key_for(9)
 BODY1, BODY2 = random_bytes(5000, seed=1), random_bytes(70_000, seed=2)
@@ -87,16 +94,7 @@ def test_the_lane_answers_as_the_full_stack(tmp_path: Path) -> None:
         _put_blocks(stack_url)
         lane = _lane(lane_server)
         assert lane is not None
-        for what, requests, at_least in cases:
-            before = lane.served
-            got, got_closed = _exchange(lane_url, requests)
-            want, want_closed = _exchange(stack_url, requests)
-            assert got == want, what
-            assert got_closed == want_closed, what
-            assert len(got) == (1 if "close" in what else len(requests)), what
-            assert lane.served - before >= at_least, what
-            if at_least == 0 and len(requests) == 1:
-                assert lane.served == before, what  # a request it must not answer went to the stack
+        check_cases(lane, lane_url, stack_url, cases)
         # the bodies are the blocks' bytes
         whole = _exchange(lane_url, [_get(K3)])[0][0]
         assert whole.endswith(b"\r\n\r\n" + BODY3) and [whole] == _exchange(stack_url, [_get(K3)])[0]
@@ -194,27 +192,8 @@ def test_a_file_out_of_the_page_cache_is_not_the_lanes(tmp_path: Path) -> None:
 
 
 def test_the_lane_applies_auth_as_the_stack(tmp_path: Path) -> None:
-    who = [None, "read", "write", "admin", "other", "scoped_admin"]
-    with _pair(tmp_path, tokens=json.loads(tokens_json())) as ((lane_url, lane_server), (stack_url, _)):
-        writer = {"Authorization": f"Bearer {TOKENS['write']}"}
-        _put_blocks(lane_url, writer)
-        _put_blocks(stack_url, writer)
-        lane = _lane(lane_server)
-        assert lane is not None
-        statuses = {}
-        for name in [*who, "bad"]:
-            auth = [] if name is None else [f"Authorization: Bearer {TOKENS.get(name, 'not-a-token')}"]
-            before = lane.served
-            got, _ = _exchange(lane_url, [_get(K1, *auth)])
-            want, _ = _exchange(stack_url, [_get(K1, *auth)])
-            assert got == want, name
-            statuses[name] = int(got[0].split(b" ")[1])
-            assert lane.served - before == (1 if statuses[name] == 200 else 0), name
-        assert statuses == {
-            None: 401, "read": 200, "write": 200, "admin": 200, "other": 403, "scoped_admin": 200, "bad": 401
-        }  # fmt: skip
-        admin = {"Authorization": f"Bearer {TOKENS['admin']}"}
-        assert _request_samples(lane_url, admin) == _request_samples(stack_url, admin)
+    with _pair(tmp_path, tokens=json.loads(tokens_json())) as servers:
+        check_auth_as_the_stack(servers, put_blocks=_put_blocks, lane_of=_lane, request=lambda *h: _get(K1, *h))
 
 
 def test_a_client_that_does_not_read_is_not_sent_more(tmp_path: Path) -> None:

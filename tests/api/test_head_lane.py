@@ -13,7 +13,7 @@ import contextlib
 import json
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -143,16 +143,7 @@ def test_the_lane_answers_as_the_full_stack(tmp_path: Path) -> None:
         _put_blocks(stack_url)
         lane = _lane(lane_server)
         assert lane is not None
-        for what, requests, at_least in cases:
-            before = lane.served
-            got, got_closed = _exchange(lane_url, requests)
-            want, want_closed = _exchange(stack_url, requests)
-            assert got == want, what
-            assert got_closed == want_closed, what
-            assert len(got) >= 1, what
-            assert lane.served - before >= at_least, what
-            if at_least == 0 and len(requests) == 1:
-                assert lane.served == before, what  # a request it must not answer went to the stack
+        check_cases(lane, lane_url, stack_url, cases)
         # changes are seen at once: an overwrite's new ETag, a deletion's 404
         for url in (lane_url, stack_url):
             with httpx.Client(base_url=url) as c:
@@ -166,28 +157,58 @@ def test_the_lane_answers_as_the_full_stack(tmp_path: Path) -> None:
         assert lane.served >= 10
 
 
+def check_cases(
+    lane: Any, lane_url: str, stack_url: str, cases: list[tuple[str, list[tuple[str, bytes]], int]]
+) -> None:
+    """Each case's requests, sent in one write to both servers: the same answers and the same close, an answer for
+    each request (the first only after a ``Connection: close``), at least as many answered by the lane as the case
+    says, and none when it says none of a lone request."""
+    for what, requests, at_least in cases:
+        before = lane.served
+        got, got_closed = _exchange(lane_url, requests)
+        want, want_closed = _exchange(stack_url, requests)
+        assert got == want, what
+        assert got_closed == want_closed, what
+        assert len(got) == (1 if "Connection: close" in what else len(requests)), what
+        assert lane.served - before >= at_least, what
+        if at_least == 0 and len(requests) == 1:
+            assert lane.served == before, what  # a request it must not answer went to the stack
+
+
 def test_the_lane_applies_auth_as_the_stack(tmp_path: Path) -> None:
-    who = [None, "read", "write", "admin", "other", "scoped_admin"]
-    with _pair(tmp_path, tokens=json.loads(tokens_json())) as ((lane_url, lane_server), (stack_url, _)):
-        writer = {"Authorization": f"Bearer {TOKENS['write']}"}
-        _put_blocks(lane_url, writer)
-        _put_blocks(stack_url, writer)
-        lane = _lane(lane_server)
-        assert lane is not None
-        statuses = {}
-        for name in [*who, "bad"]:
-            auth = [] if name is None else [f"Authorization: Bearer {TOKENS.get(name, 'not-a-token')}"]
-            before = lane.served
-            got, _ = _exchange(lane_url, [_head(K1, *auth)])
-            want, _ = _exchange(stack_url, [_head(K1, *auth)])
-            assert got == want, name
-            statuses[name] = int(got[0].split(b" ")[1])
-            assert lane.served - before == (1 if statuses[name] == 200 else 0), name
-        assert statuses == {
-            None: 401, "read": 200, "write": 200, "admin": 200, "other": 403, "scoped_admin": 200, "bad": 401
-        }  # fmt: skip
-        admin = {"Authorization": f"Bearer {TOKENS['admin']}"}
-        assert _request_samples(lane_url, admin) == _request_samples(stack_url, admin)
+    with _pair(tmp_path, tokens=json.loads(tokens_json())) as servers:
+        check_auth_as_the_stack(servers, put_blocks=_put_blocks, lane_of=_lane, request=lambda *h: _head(K1, *h))
+
+
+def check_auth_as_the_stack(
+    servers: tuple[tuple[str, GatewayServer], tuple[str, GatewayServer]],
+    *,
+    put_blocks: Callable[[str, dict[str, str]], None],
+    lane_of: Callable[[GatewayServer], Any],
+    request: Callable[..., tuple[str, bytes]],
+) -> None:
+    """Six callers and a bad token ask both servers ``request(*auth header)``: the same answers (401/403/200 as the
+    stack's auth decides), the lane answering exactly the allowed ones, the same request metrics."""
+    (lane_url, lane_server), (stack_url, _) = servers
+    writer = {"Authorization": f"Bearer {TOKENS['write']}"}
+    put_blocks(lane_url, writer)
+    put_blocks(stack_url, writer)
+    lane = lane_of(lane_server)
+    assert lane is not None
+    statuses = {}
+    for name in [None, "read", "write", "admin", "other", "scoped_admin", "bad"]:
+        auth = [] if name is None else [f"Authorization: Bearer {TOKENS.get(name, 'not-a-token')}"]
+        before = lane.served
+        got, _ = _exchange(lane_url, [request(*auth)])
+        want, _ = _exchange(stack_url, [request(*auth)])
+        assert got == want, name
+        statuses[name] = int(got[0].split(b" ")[1])
+        assert lane.served - before == (1 if statuses[name] == 200 else 0), name
+    assert statuses == {
+        None: 401, "read": 200, "write": 200, "admin": 200, "other": 403, "scoped_admin": 200, "bad": 401
+    }  # fmt: skip
+    admin = {"Authorization": f"Bearer {TOKENS['admin']}"}
+    assert _request_samples(lane_url, admin) == _request_samples(stack_url, admin)
 
 
 def test_no_lane_under_a_root_path(tmp_path: Path) -> None:

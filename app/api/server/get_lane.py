@@ -40,36 +40,60 @@ stack holds one read chunk of a slow reader's answer."""
 _TYPE = b"content-type: application/octet-stream\r\n"
 
 
-class GetLane:
-    """Answers an allowed GET of a whole cached block: its head lines and an open descriptor of its file, or None
-    (let the full stack answer)."""
+class ReadLane:
+    """What the HEAD and GET lanes share: the route they answer for, and the checks before either answers (the
+    core is up, the key's row is in the metadata cache, the caller may read its namespace)."""
+
+    method = ""
 
     def __init__(self, *, state: Any, routes: list[Any], prefix: str, principals: Principals | None) -> None:
         self._state = state
         """The app's state: ``core`` once the lifespan has built it; ``request_recorder`` with metrics on."""
         self.prefix = prefix
         self._principals = principals
-        gets = [r for r in routes if "GET" in (getattr(r, "methods", None) or ()) and r.path.startswith(prefix)]
-        self.template = route_template(gets[0]) if gets else None
+        mine = [r for r in routes if self.method in (getattr(r, "methods", None) or ()) and r.path.startswith(prefix)]
+        self.template = route_template(mine[0]) if mine else None
         self._service: Any = None
         self.served = 0
-        """GETs this lane answered (tests read it)."""
+        """Requests this lane answered (tests read it)."""
 
-    def answer(self, path: str, scope: Any) -> tuple[bytes, int, int] | None:
-        """(the header lines after the status line and the server's default headers, the file's descriptor, its
-        size) for ``GET path``; the caller sends the file and closes the descriptor."""
+    def readable(self, path: str, scope: Any) -> tuple[Any, str, Any] | None:
+        """(the service, the key, its cached row) when the caller may read ``path`` and its row is cached."""
         service = self._service or lane_service(self)
         if service is None or not path.startswith(self.prefix):
             return None
         key = path[len(self.prefix) :]
         meta = service.cached(key)  # only block keys are cached: a row found is a valid key's
-        if meta is None or meta.size > MAX_BYTES:
+        if meta is None:
             return None
         try:
             namespace = block_namespace(key)
         except InvalidKey:
             return None
         if not may_read(self._principals, scope, namespace):
+            return None
+        return service, key, meta
+
+    def _record(self, seconds: float, sent: int) -> None:
+        recorder: RequestRecorder | None = getattr(self._state, "request_recorder", None)
+        if recorder is not None and self.template is not None:
+            recorder.record(self.method, self.template, 200, seconds, 0, sent)
+
+
+class GetLane(ReadLane):
+    """Answers an allowed GET of a whole cached block: its head lines and an open descriptor of its file, or None
+    (let the full stack answer)."""
+
+    method = "GET"
+
+    def answer(self, path: str, scope: Any) -> tuple[bytes, int, int] | None:
+        """(the header lines after the status line and the server's default headers, the file's descriptor, its
+        size) for ``GET path``; the caller sends the file and closes the descriptor."""
+        found = self.readable(path, scope)
+        if found is None:
+            return None
+        service, key, meta = found
+        if meta.size > MAX_BYTES:
             return None
         opened = service.open_now(key)
         if opened is None:
@@ -80,9 +104,7 @@ class GetLane:
         return lines, fd, meta.size
 
     def record(self, seconds: float, size: int) -> None:
-        recorder: RequestRecorder | None = getattr(self._state, "request_recorder", None)
-        if recorder is not None and self.template is not None:
-            recorder.record("GET", self.template, 200, seconds, 0, size)
+        self._record(seconds, size)
 
 
 def send_file(transport: asyncio.Transport, fd: int, size: int) -> None:

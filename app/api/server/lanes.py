@@ -39,58 +39,32 @@ import httptools
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from app.api.middleware.auth import may_read
-from app.api.middleware.metrics import RequestRecorder, route_template
-from app.api.middleware.principals import Principals
 from app.api.routes.blocks import encoded_meta_headers
-from app.api.server.get_lane import GetLane, send_file
+from app.api.server.get_lane import GetLane, ReadLane, send_file
 from app.api.server.http_body import BodyChunks
-from app.api.server.put_lane import LanePut, PutLane, lane_service
-from contract.keys import InvalidKey, block_namespace
+from app.api.server.put_lane import LanePut, PutLane
 
 _OK = STATUS_LINE[200]
 _BODY_HEADERS = frozenset({b"content-length", b"transfer-encoding"})
 
 
-class HeadLane:
+class HeadLane(ReadLane):
     """Answers an allowed HEAD of a cached block: the head's bytes, or None (let the full stack answer)."""
 
-    def __init__(self, *, state: Any, routes: list[Any], prefix: str, principals: Principals | None) -> None:
-        self._state = state
-        """The app's state: ``core`` once the lifespan has built it; ``request_recorder`` with metrics on."""
-        self.prefix = prefix
-        self._principals = principals
-        heads = [r for r in routes if "HEAD" in (getattr(r, "methods", None) or ()) and r.path.startswith(prefix)]
-        self.template = route_template(heads[0]) if heads else None
-        self._service: Any = None
-        self.served = 0
-        """HEADs this lane answered (tests read it)."""
+    method = "HEAD"
 
     def answer(self, path: str, scope: Any) -> bytes | None:
         """The header lines after the status line and the server's default headers, for ``HEAD path``."""
-        service = self._service or lane_service(self)
-        if service is None:
+        found = self.readable(path, scope)
+        if found is None:
             return None
-        if not path.startswith(self.prefix):
-            return None
-        key = path[len(self.prefix) :]
-        meta = service.cached(key)  # only block keys are cached: a row found is a valid key's
-        if meta is None:
-            return None
-        try:
-            namespace = block_namespace(key)
-        except InvalidKey:
-            return None
-        if not may_read(self._principals, scope, namespace):
-            return None
+        service, _, meta = found
         service.counters.hits += 1
         self.served += 1
         return encoded_meta_headers(meta.digest) + b"content-length: %d\r\n" % meta.size
 
     def record(self, seconds: float) -> None:
-        recorder: RequestRecorder | None = getattr(self._state, "request_recorder", None)
-        if recorder is not None and self.template is not None:
-            recorder.record("HEAD", self.template, 200, seconds, 0, 0)
+        self._record(seconds, 0)
 
 
 class _NoEvent:

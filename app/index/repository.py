@@ -57,6 +57,8 @@ class Index(Scans, EventLogOps):
         self.logs_events = events
         self._flush_interval = flush_interval_s
         self._access: dict[str, tuple[float, int]] = {}
+        self._flushing = 0
+        """Access-time flushes under way (``flush_access`` waits for them)."""
         self._tasks: list[asyncio.Task[None]] = []
         self._reads: ReadBatcher[BlockRecord] = ReadBatcher(
             self.get_many, in_flight=1 if self._dialect == "sqlite" else 4
@@ -238,9 +240,20 @@ class Index(Scans, EventLogOps):
             asyncio.get_running_loop().create_task(self.flush_access())
 
     async def flush_access(self) -> None:
+        """Write the reads noted so far; returns once they, and those of a flush already under way, are committed
+        (the evictor reads last_access right after: a flush still in the writer's queue would not count)."""
         if not self._access:
+            if self._flushing:
+                await self._write(lambda conn: None)  # the writer's queue is in order: behind the flush under way
             return
-        pending, self._access = self._access, {}
+        self._flushing += 1
+        try:
+            await self._flush(self._access)
+        finally:
+            self._flushing -= 1
+
+    async def _flush(self, pending: dict[str, tuple[float, int]]) -> None:
+        self._access = {}
         params = [{"k": k, "t": t, "n": n} for k, (t, n) in pending.items()]
         stmt = (
             update(Block)

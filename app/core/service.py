@@ -196,20 +196,19 @@ class BlockService:
         protocol, and counts its hit in ``counters``."""
         return self._versions.cached(path)
 
-    def open_now(self, path: str) -> tuple[Version, int] | None:
-        """The version of ``path`` the metadata cache holds and a descriptor of its file, opened here and now,
-        without waiting (the GET lane sends the file with ``sendfile``); None when the row is not cached, the store
-        has no such open, or the file is not that version or not all in the page cache (:meth:`open` then serves
-        it, with its repairs). Counted as :meth:`open` counts a hit, the access time included."""
-        meta = self._versions.cached(path)
-        if meta is None or meta.stamp is None:
+    def open_now(self, path: str, meta: Version) -> int | None:
+        """A descriptor of the file of version ``meta`` of ``path`` (the row :meth:`cached` gave), opened here and
+        now, without waiting (the GET lane sends the file with ``sendfile``); None when the store has no such open,
+        or the file is not that version or not all in the page cache (:meth:`open` then serves it, with its
+        repairs). Counted as :meth:`open` counts a hit, the access time included."""
+        if meta.stamp is None:
             return None
         fd = self._store.open_now(path, stamp=meta.stamp, size=meta.size)
         if fd is None:
             return None
         self.counters.hits += 1
         self._index.touch(path)
-        return meta, fd
+        return fd
 
     async def open(self, key: BlockKey) -> OpenBlock:
         """The version the index names, opened: body, size and digest of one version, always together."""

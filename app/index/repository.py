@@ -246,14 +246,14 @@ class Index(Scans, EventLogOps):
             if self._flushing:
                 await self._write(lambda conn: None)  # the writer's queue is in order: behind the flush under way
             return
+        pending, self._access = self._access, {}
         self._flushing += 1
         try:
-            await self._flush(self._access)
+            await self._write_access(pending)
         finally:
             self._flushing -= 1
 
-    async def _flush(self, pending: dict[str, tuple[float, int]]) -> None:
-        self._access = {}
+    async def _write_access(self, pending: dict[str, tuple[float, int]]) -> None:
         params = [{"k": k, "t": t, "n": n} for k, (t, n) in pending.items()]
         stmt = (
             update(Block)

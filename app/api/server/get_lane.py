@@ -11,7 +11,8 @@ it can answer completely:
   uvicorn's concurrency limit, over plain HTTP (TLS encrypts in user space: nothing to send from the file);
 - the caller may read the key's namespace (:func:`app.api.middleware.auth.may_read`), the metadata cache holds the
   key's row, and the filesystem store opens that very version now, its pages in the page cache
-  (``BlockService.open_now``: the same stamp check as the stack's reader, whose fd then pins the version);
+  (``BlockService.open_now`` of the cached row: the same stamp check as the stack's reader, whose fd then pins
+  the version);
 - the block is at most :data:`MAX_BYTES`.
 
 The answer is the stack's, byte for byte: uvicorn's default headers, the ETag and checksum lines, Content-Length,
@@ -95,10 +96,9 @@ class GetLane(ReadLane):
         service, key, meta = found
         if meta.size > MAX_BYTES:
             return None
-        opened = service.open_now(key)
-        if opened is None:
+        fd = service.open_now(key, meta)
+        if fd is None:
             return None
-        meta, fd = opened
         self.served += 1
         lines = encoded_meta_headers(meta.digest) + b"content-length: %d\r\n" % meta.size + _TYPE
         return lines, fd, meta.size

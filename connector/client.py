@@ -31,7 +31,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 import aiohttp
@@ -47,6 +47,7 @@ from connector.errors import ConnectorError as ConnectorError
 from connector.errors import GatewayRejected as GatewayRejected
 from connector.errors import GatewayTLSError as GatewayTLSError
 from connector.errors import GatewayUnavailable as GatewayUnavailable
+from connector.http1 import LeanPool
 from contract import wire
 from contract.wire import BLOCK_META_HEADER, CHECKSUM_HEADER, PART_CHECKSUM_HEADER
 from contract.wire import retry_after_s as retry_after_s
@@ -72,6 +73,8 @@ class BlockClient:
         self.budget = ByteBudget(limit=config.max_inflight_bytes, loop=self._loop)
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvgate-client", daemon=True)
         self._thread.start()
+        self._lean: LeanPool | None = None
+        """Block PUTs go here (connector/http1.py), everything else to the aiohttp session."""
         try:
             self._session: aiohttp.ClientSession = self.run(self._open(), timeout_s=10.0)
             if config.check_tls_on_start and config.base_url.lower().startswith("https://"):
@@ -90,6 +93,14 @@ class BlockClient:
         tls = client_ssl_context(ca_file=cfg.ca_file, cert_file=cfg.cert_file, key_file=cfg.key_file)
         connector = aiohttp.TCPConnector(limit=cfg.max_connections, ttl_dns_cache=300, ssl=tls)
         timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s)
+        if cfg.lean_put and LeanPool.serves(cfg.base_url):
+            self._lean = LeanPool(
+                cfg.base_url,
+                limit=cfg.max_connections,
+                ssl_context=tls,
+                connect_timeout_s=cfg.connect_timeout_s,
+                request_timeout_s=cfg.request_timeout_s,
+            )
         return aiohttp.ClientSession(
             base_url=cfg.base_url, connector=connector, timeout=timeout, raise_for_status=False
         )
@@ -111,6 +122,8 @@ class BlockClient:
             return
 
         async def shutdown() -> None:
+            if self._lean is not None:
+                self._lean.close()
             if hasattr(self, "_session"):
                 await self._session.close()
 
@@ -174,22 +187,29 @@ class BlockClient:
         *,
         timeout_s: float | None = None,
         read: Callable[[aiohttp.ClientResponse], Awaitable[Any]] | None = None,
+        plain: bool = False,
         **kw: Any,
     ) -> tuple[int, Any]:
         """One request with retries; returns (status, (headers, body)).
 
-        ``read``: reads the body of an answer that is not retried (default: all of it, as bytes). Retried:
+        ``read``: reads the body of an answer that is not retried (default: all of it, as bytes). ``plain``: a
+        request of ``headers`` and a ``data`` buffer whose answer is read whole, which the lean pool sends when it
+        can (connector/http1.py; its answer's headers are a CIMultiDict, as aiohttp's). Retried:
         connection errors, timeouts and 502/503/504; every other status is returned as it is. Raises
         GatewayUnavailable (and opens the circuit) when the retries run out, or at once while the circuit is open.
         """
         if self.gateway_down:
             raise GatewayUnavailable(f"gateway marked down for {self._down_until - time.monotonic():.2f}s more")
+        lean = self._lean if plain and self._lean is not None and LeanPool.sends_as_is(path) else None
+        if plain and lean is None:
+            kw["data"] = body.BlockPayload(kw["data"])
         # No per-call timeout: leave the argument out, so the session's timeouts apply (None would disable them).
-        if timeout_s is not None:
+        if timeout_s is not None and lean is None:
             kw["timeout"] = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.config.connect_timeout_s)
         delay = self.config.backoff_s
         last = ""
         wait: float | None = None
+        headers: Mapping[str, str]
         for attempt in range(self.config.retries + 1):
             if attempt:
                 self.stats.retries += 1
@@ -197,17 +217,26 @@ class BlockClient:
                 delay *= 2
             wait = None
             try:
-                async with self._session.request(method, path, **kw) as resp:
-                    if resp.status in RETRY_STATUSES:
-                        text = await resp.read() if method != "HEAD" else b""
-                        last = f"{resp.status} {text[:200]!r}"
-                        asked = wire.retry_after_s(resp.headers.get("Retry-After"))
-                        if asked is not None:
-                            wait = min(asked, self.config.max_retry_after_s)
-                        continue
-                    if read is not None:
-                        return resp.status, (resp.headers, await read(resp))
-                    return resp.status, (resp.headers, await body.read_all(resp) if method != "HEAD" else b"")
+                if lean is not None:
+                    status, headers, got = await lean.request(
+                        method, path, kw["headers"], kw["data"], timeout_s=timeout_s
+                    )
+                else:
+                    async with self._session.request(method, path, **kw) as resp:
+                        status, headers = resp.status, resp.headers
+                        if status in RETRY_STATUSES:
+                            got = await resp.read() if method != "HEAD" else b""
+                        elif read is not None:
+                            got = await read(resp)
+                        else:
+                            got = await body.read_all(resp) if method != "HEAD" else b""
+                if status in RETRY_STATUSES:
+                    last = f"{status} {bytes(got)[:200]!r}"
+                    asked = wire.retry_after_s(headers.get("Retry-After"))
+                    if asked is not None:
+                        wait = min(asked, self.config.max_retry_after_s)
+                    continue
+                return status, (headers, got)
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError) as exc:
                 if (tls := tls_failure(exc)) is not None:  # configuration: no retry, and a pause as for an outage
                     log.error("TLS to the gateway %s failed: %s", self.config.base_url, tls)
@@ -246,8 +275,7 @@ class BlockClient:
             headers["If-None-Match"] = "*"
         if meta is not None:
             headers[BLOCK_META_HEADER] = meta
-        payload = body.BlockPayload(data)
-        status, (_, answer) = await self._request("PUT", f"/v1/blocks/{key}", data=payload, headers=headers)
+        status, (_, answer) = await self._request("PUT", f"/v1/blocks/{key}", data=data, headers=headers, plain=True)
         if status == 412:
             return True
         if status == FULL_STATUS:

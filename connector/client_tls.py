@@ -42,6 +42,8 @@ def tls_failure(exc: BaseException) -> str | None:
             return f"the gateway's certificate is not trusted: {seen.certificate_error}"
         if isinstance(seen, aiohttp.ClientSSLError):  # before ssl.SSLError: some of them are both
             return str(seen)
+        if isinstance(seen, ssl.SSLCertVerificationError):  # the lean pool's (connector/http1.py), unwrapped
+            return f"the gateway's certificate is not trusted: {seen}"
         if isinstance(seen, ssl.SSLError):
             return str(getattr(seen, "reason", None) or seen)
         nxt = getattr(seen, "os_error", None)

@@ -1,0 +1,214 @@
+"""The lean PUT pool (connector/http1.py) through BlockClient: the request on the wire, keep-alive connections and
+what happens when one breaks, timeouts, the connection limit; against a scripted raw HTTP server on loopback (each
+request answered by the next action of its script) and a real gateway."""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from connector.checksums import checksum
+from connector.client import BlockClient, ClientConfig, GatewayUnavailable
+from tests.conftest import key_for, random_bytes
+from tests.gateway import Gateway
+
+OK = b"HTTP/1.1 201 Created\r\ncontent-length: 0\r\nx-kvgate-note: stored\r\n\r\n"
+
+
+@dataclass
+class RawServer:
+    """A loopback HTTP/1.1 server that reads each request (head, Content-Length body) and acts on it by its script:
+
+    ``ok`` answers 201 and keeps the connection; ``drop`` closes it without an answer (a gateway whose keep-alive
+    timeout ran out as the request arrived); ``cut`` sends part of the answer, then closes; ``drip`` sends the
+    answer a byte at a time; ``silent`` never answers (it waits for the client to close); ``hold`` answers after
+    0.1 s; ``extra`` answers with a second, unasked answer behind it."""
+
+    script: list[str] = field(default_factory=list)
+    requests: list[tuple[bytes, bytes]] = field(default_factory=list)
+    connections: int = 0
+    open: int = 0
+    peak: int = 0
+    url: str = ""
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        self.open += 1
+        self.peak = max(self.peak, self.open)
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                lines = [line.partition(b":") for line in head.split(b"\r\n")[1:]]
+                length = next((int(v) for k, _, v in lines if k.lower() == b"content-length"), 0)
+                self.requests.append((head, await reader.readexactly(length)))
+                action = self.script.pop(0) if self.script else "ok"
+                if action in ("drop", "cut"):
+                    writer.write(OK[:20] if action == "cut" else b"")
+                    await writer.drain()
+                    return
+                if action == "silent":
+                    await reader.read()  # until the client gives up on the connection
+                    return
+                if action == "hold":
+                    await asyncio.sleep(0.1)
+                if action == "drip":
+                    for i in range(len(OK)):
+                        writer.write(OK[i : i + 1])
+                        await writer.drain()
+                        await asyncio.sleep(0.001)
+                else:
+                    writer.write(OK + (b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n" if action == "extra" else b""))
+                await writer.drain()
+        finally:
+            self.open -= 1
+            writer.close()
+
+
+@pytest.fixture
+def raw() -> Iterator[RawServer]:
+    server = RawServer()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def start() -> asyncio.Server:
+        srv = await asyncio.start_server(server.serve, "127.0.0.1", 0)
+        server.url = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+        return srv
+
+    async def stop() -> None:
+        srv.close()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    srv = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=10)
+    try:
+        yield server
+    finally:
+        asyncio.run_coroutine_threadsafe(stop(), loop).result(timeout=10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
+
+
+def client(url: str, **kw: float) -> BlockClient:
+    cfg = {"retries": 2, "backoff_s": 0.001, "down_cooldown_s": 0.0, **kw}
+    return BlockClient(ClientConfig(base_url=url, **cfg))  # type: ignore[arg-type]
+
+
+DATA = random_bytes(300_000, seed=5)
+
+
+def test_the_request_on_the_wire(raw: RawServer) -> None:
+    floats = array.array("f")
+    floats.frombytes(DATA)
+    with client(raw.url) as bc:
+        assert bc.run(bc.put(key_for(1), memoryview(floats), meta="m1"))
+        assert bc.run(bc.put(key_for(2), memoryview(DATA).cast("B", (100, 3000)), create_only=True))
+    (head1, body1), (head2, body2) = raw.requests
+    assert body1 == DATA and body2 == DATA  # a tensor's memory (float items, 2-D) goes as its bytes
+    lines = head1.decode("latin-1").split("\r\n")
+    assert lines[0] == f"PUT /v1/blocks/{key_for(1)} HTTP/1.1"
+    port = raw.url.rsplit(":", 1)[1]
+    got = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
+    assert got["host"] == f"127.0.0.1:{port}"
+    assert got["content-length"] == str(len(DATA))
+    assert got["content-type"] == "application/octet-stream"
+    assert got["x-kvgate-checksum"] == checksum(DATA).header
+    assert got["x-kvgate-block-meta"] == "m1"
+    assert b"\r\nIf-None-Match: *\r\n" in head2
+    assert raw.connections == 1  # kept alive between the two
+
+
+def test_an_answer_in_many_reads(raw: RawServer) -> None:
+    raw.script = ["drip", "drip"]
+    with client(raw.url) as bc:
+        assert bc.run(bc.put(key_for(1), DATA))
+        assert bc.run(bc.put(key_for(2), DATA))
+        assert bc.stats.retries == 0 and bc.stats.puts == 2
+    assert raw.connections == 1
+
+
+def test_a_kept_connection_the_gateway_closed_is_replaced_at_once(raw: RawServer) -> None:
+    raw.script = ["ok", "drop"]
+    with client(raw.url) as bc:
+        assert bc.run(bc.put(key_for(1), DATA))
+        assert bc.run(bc.put(key_for(2), DATA))
+        assert bc.stats.retries == 0  # sent again on a fresh connection, no backoff, not a retry
+    assert [h.split(b" ")[1] for h, _ in raw.requests][1:] == [f"/v1/blocks/{key_for(2)}".encode()] * 2
+    assert raw.connections == 2
+
+
+def test_a_fresh_connection_closed_without_an_answer_is_retried_with_backoff(raw: RawServer) -> None:
+    raw.script = ["drop", "ok"]
+    with client(raw.url) as bc:
+        assert bc.run(bc.put(key_for(1), DATA))
+        assert bc.stats.retries == 1  # never at once on a connection just made: a gateway that drops every PUT
+    raw.script = ["drop"] * 3
+    with client(raw.url) as bc, pytest.raises(GatewayUnavailable, match="ended before the answer"):
+        bc.run(bc.put(key_for(2), DATA))
+
+
+def test_an_answer_cut_short_on_a_kept_connection_is_a_retry(raw: RawServer) -> None:
+    raw.script = ["ok", "cut", "ok"]
+    with client(raw.url) as bc:
+        assert bc.run(bc.put(key_for(1), DATA))
+        assert bc.run(bc.put(key_for(2), DATA))
+        assert bc.stats.retries == 1  # the gateway had begun to answer: not taken for a stale connection
+
+
+def test_bytes_no_request_asked_for_end_the_connection(raw: RawServer) -> None:
+    raw.script = ["extra", "ok", "ok"]
+    with client(raw.url) as bc:
+        assert bc.run(bc.put(key_for(1), DATA))
+        assert bc.run(bc.put(key_for(2), DATA))
+        assert bc.run(bc.put(key_for(3), DATA))
+        assert bc.stats.retries == 0
+    assert raw.connections == 2  # the first connection was dropped, never read as the second PUT's answer
+
+
+def test_no_answer_in_time_is_a_timeout_and_frees_the_connection(raw: RawServer) -> None:
+    raw.script = ["silent", "silent"]
+    with client(raw.url, request_timeout_s=0.3, retries=1) as bc:
+        with pytest.raises(GatewayUnavailable, match="timeout"):
+            bc.run(bc.put(key_for(1), DATA), timeout_s=10)
+        for _ in range(200):
+            if raw.open == 0:
+                break
+            time.sleep(0.01)
+        assert raw.open == 0  # the client closed both: an answer that comes late is no one's
+        assert bc.run(bc.put(key_for(2), DATA), timeout_s=10)
+    assert raw.connections == 3
+
+
+def test_at_most_max_connections(raw: RawServer) -> None:
+    raw.script = ["hold"] * 24
+    with client(raw.url, max_connections=4) as bc:
+
+        async def all_puts() -> list[bool]:
+            return await asyncio.gather(*(bc.put(key_for(i), DATA) for i in range(24)))
+
+        assert all(bc.run(all_puts(), timeout_s=30))
+    assert raw.peak == 4 and raw.connections == 4
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_both_clients_store_the_same_bytes(gateway: Gateway, lean: bool) -> None:
+    with client(gateway.url, lean_put=lean) as bc:
+        blobs = {key_for(i): random_bytes(4096 * (i + 1), seed=i) for i in range(8)}
+        for key, blob in blobs.items():
+            assert bc.run(bc.put(key, blob))
+        for key, blob in blobs.items():
+            assert bc.run(bc.get(key)) == blob
+        assert (bc._lean is not None) is lean

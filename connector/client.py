@@ -47,10 +47,14 @@ from connector.errors import ConnectorError as ConnectorError
 from connector.errors import GatewayRejected as GatewayRejected
 from connector.errors import GatewayTLSError as GatewayTLSError
 from connector.errors import GatewayUnavailable as GatewayUnavailable
-from connector.http1 import LeanPool
 from contract import wire
 from contract.wire import BLOCK_META_HEADER, CHECKSUM_HEADER, PART_CHECKSUM_HEADER
 from contract.wire import retry_after_s as retry_after_s
+
+try:
+    from connector.http1 import LeanPool
+except ImportError:  # no httptools in the engine's environment (vLLM's own server brings it): aiohttp for all
+    LeanPool = None  # type: ignore[assignment, misc]
 
 log = logging.getLogger("kvgate.connector.client")
 T = TypeVar("T")
@@ -93,7 +97,7 @@ class BlockClient:
         tls = client_ssl_context(ca_file=cfg.ca_file, cert_file=cfg.cert_file, key_file=cfg.key_file)
         connector = aiohttp.TCPConnector(limit=cfg.max_connections, ttl_dns_cache=300, ssl=tls)
         timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s)
-        if cfg.lean_put and LeanPool.serves(cfg.base_url):
+        if cfg.lean_put and LeanPool is not None and LeanPool.serves(cfg.base_url):
             self._lean = LeanPool(
                 cfg.base_url,
                 limit=cfg.max_connections,
@@ -200,7 +204,7 @@ class BlockClient:
         """
         if self.gateway_down:
             raise GatewayUnavailable(f"gateway marked down for {self._down_until - time.monotonic():.2f}s more")
-        lean = self._lean if plain and self._lean is not None and LeanPool.sends_as_is(path) else None
+        lean = self._lean if plain and self._lean is not None and self._lean.sends_as_is(path) else None
         if plain and lean is None:
             kw["data"] = body.BlockPayload(kw["data"])
         # No per-call timeout: leave the argument out, so the session's timeouts apply (None would disable them).

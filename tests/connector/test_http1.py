@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import array
 import asyncio
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -16,7 +18,7 @@ import pytest
 from connector.checksums import checksum
 from connector.client import BlockClient, ClientConfig, GatewayUnavailable
 from tests.conftest import key_for, random_bytes
-from tests.gateway import Gateway
+from tests.gateway import REPO, Gateway
 
 OK = b"HTTP/1.1 201 Created\r\ncontent-length: 0\r\nx-kvgate-note: stored\r\n\r\n"
 
@@ -212,3 +214,19 @@ def test_both_clients_store_the_same_bytes(gateway: Gateway, lean: bool) -> None
         for key, blob in blobs.items():
             assert bc.run(bc.get(key)) == blob
         assert (bc._lean is not None) is lean
+
+
+def test_without_httptools_every_request_goes_on_aiohttp(gateway: Gateway) -> None:
+    """An engine's environment without httptools (vLLM's own server brings it) keeps a working client."""
+    code = f"""
+import sys
+sys.modules["httptools"] = None  # import fails
+from connector.client import BlockClient, ClientConfig
+with BlockClient(ClientConfig(base_url={gateway.url!r})) as bc:
+    assert bc._lean is None
+    assert bc.run(bc.put({key_for(77)!r}, b"abc" * 1000))
+    assert bc.run(bc.get({key_for(77)!r})) == b"abc" * 1000
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "ok", done.stderr

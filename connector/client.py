@@ -52,13 +52,19 @@ from contract.wire import BLOCK_META_HEADER, CHECKSUM_HEADER, PART_CHECKSUM_HEAD
 from contract.wire import retry_after_s as retry_after_s
 
 try:
-    from connector.http1 import LeanPool
+    from connector.http1 import LeanPool, Target
 except ImportError:  # no httptools in the engine's environment (vLLM's own server brings it): aiohttp for all
     LeanPool = None  # type: ignore[assignment, misc]
+    Target = Callable[[int], memoryview | None]  # type: ignore[misc]
 
 log = logging.getLogger("kvgate.connector.client")
 T = TypeVar("T")
 Buffer = bytes | bytearray | memoryview
+
+
+def _read_whole(status: int) -> None:
+    """A GET's answer, whatever its status, read whole as bytes (a PUT's is too, up to a bound: the lean pool's)."""
+    return None
 
 
 RETRY_STATUSES = frozenset({502, 503, 504})
@@ -192,20 +198,22 @@ class BlockClient:
         timeout_s: float | None = None,
         read: Callable[[aiohttp.ClientResponse], Awaitable[Any]] | None = None,
         plain: bool = False,
+        target_for: Target | None = None,
         **kw: Any,
     ) -> tuple[int, Any]:
         """One request with retries; returns (status, (headers, body)).
 
-        ``read``: reads the body of an answer that is not retried (default: all of it, as bytes). ``plain``: a
-        request of ``headers`` and a ``data`` buffer whose answer is read whole, which the lean pool sends when it
-        can (connector/http1.py; its answer's headers are a CIMultiDict, as aiohttp's). Retried:
+        ``read``: reads the body of an answer that is not retried (default: all of it, as bytes). ``plain``: a block
+        PUT or GET (``headers``, and a ``data`` buffer to send) that the lean pool sends when it can
+        (connector/http1.py; its answer's headers are a CIMultiDict, as aiohttp's); ``target_for`` then says where
+        the body of an answer goes, as ``read`` does for aiohttp (None: read whole, as bytes). Retried:
         connection errors, timeouts and 502/503/504; every other status is returned as it is. Raises
         GatewayUnavailable (and opens the circuit) when the retries run out, or at once while the circuit is open.
         """
         if self.gateway_down:
             raise GatewayUnavailable(f"gateway marked down for {self._down_until - time.monotonic():.2f}s more")
         lean = self._lean if plain and self._lean is not None and self._lean.sends_as_is(path) else None
-        if plain and lean is None:
+        if plain and lean is None and "data" in kw:
             kw["data"] = body.BlockPayload(kw["data"])
         # No per-call timeout: leave the argument out, so the session's timeouts apply (None would disable them).
         if timeout_s is not None and lean is None:
@@ -223,7 +231,12 @@ class BlockClient:
             try:
                 if lean is not None:
                     status, headers, got = await lean.request(
-                        method, path, kw["headers"], kw["data"], timeout_s=timeout_s
+                        method,
+                        path,
+                        kw.get("headers", {}),
+                        kw.get("data", b""),
+                        target_for=_read_whole if target_for is None and method == "GET" else target_for,
+                        timeout_s=timeout_s,
                     )
                 else:
                     async with self._session.request(method, path, **kw) as resp:
@@ -303,7 +316,9 @@ class BlockClient:
         ``X-KVGate-Range-SHA256``); a 200 answer to a range request as the whole object, then sliced. An answer with
         nothing to check against is refused.
         """
-        status, (headers, got) = await self._request("GET", f"/v1/blocks/{key}", headers=body.range_header(byte_range))
+        status, (headers, got) = await self._request(
+            "GET", f"/v1/blocks/{key}", headers=body.range_header(byte_range), plain=True
+        )
         if status == 404:
             self.stats.misses += 1
             return None
@@ -333,8 +348,16 @@ class BlockClient:
                 return await body.read_into(resp, into)
             return await resp.read()  # an error's text, or the whole object from a server that ignored Range
 
+        def target_for(status: int) -> memoryview | None:
+            return into if status == 206 or (status == 200 and byte_range is None) else None
+
         status, (headers, got) = await self._request(
-            "GET", f"/v1/blocks/{key}", headers=body.range_header(byte_range), read=read
+            "GET",
+            f"/v1/blocks/{key}",
+            headers=body.range_header(byte_range),
+            read=read,
+            plain=True,
+            target_for=target_for,
         )
         if status == 404:
             self.stats.misses += 1

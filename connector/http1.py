@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import re
 import ssl
+from collections.abc import Callable
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
@@ -33,12 +34,15 @@ _PLAIN_PATH = re.compile(r"/[A-Za-z0-9._~/=-]*")
 """Paths sent as they are: what a block key is made of (contract/keys.py), nothing that needs quoting."""
 _MAX_ANSWER = 1 << 20
 """The most a PUT's answer may hold: an error text, never a body of that size."""
+_SCRATCH_BYTES = 256 << 10
+"""Each connection's receive buffer for answer heads and what comes with them (asyncio reads up to 256 KiB)."""
 
 
 class Answer(NamedTuple):
     status: int
     headers: CIMultiDict[str]
-    body: bytes
+    body: bytes | int
+    """The body's bytes; or, where it went to a caller's buffer, how many (-1: more than the buffer holds)."""
 
 
 class AnswerLost(ConnectionError):
@@ -50,18 +54,37 @@ class AnswerLost(ConnectionError):
         """Not a byte of the answer had arrived."""
 
 
-class _Connection(asyncio.Protocol):
-    """One keep-alive connection: at most one request in flight, its answer parsed as it arrives."""
+Target = Callable[[int], memoryview | None]
+"""Where the body of an answer of a given status goes: a caller's buffer (then the answer's body is how many bytes
+arrived, -1 once they outgrow it), or None (collected as bytes)."""
+
+
+class _Connection(asyncio.BufferedProtocol):
+    """One keep-alive connection: at most one request in flight, its answer parsed as it arrives.
+
+    A buffered protocol: the transport receives into a buffer this connection hands it. The head, and whatever
+    arrives with it, goes to a scratch buffer and through httptools; once the head says the body goes to a caller's
+    buffer and how long it is, the rest of the body is received straight into that buffer (one copy, the kernel's),
+    without the parser, and the answer ends when the last byte is there."""
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.reusable = False
+        self._scratch = memoryview(bytearray(_SCRATCH_BYTES))
+        """A view, never the bytearray: asyncio's TLS transport reads the rest of a record into ``buf[offset:]``,
+        which of a bytearray is a copy (the bytes would be lost)."""
         self._parser = httptools.HttpResponseParser(self)
         self._waiter: asyncio.Future[Answer] | None = None
+        self._target_for: Target | None = None
         self._headers: list[tuple[str, str]] = []
         self._body: list[bytes] = []
-        self._size = 0
+        self._target: memoryview | None = None
+        self._pos = 0
+        """Bytes of the body so far (collected, or in the target; -1: more than the target holds)."""
+        self._direct_end = -1
+        """While the body goes straight into the target: where it ends in it."""
+        self._length = -1
         self._began = False
 
     # -- asyncio -------------------------------------------------------------------------------------------
@@ -69,15 +92,30 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._direct_end >= 0:
+            assert self._target is not None
+            return self._target[self._pos : self._direct_end]
+        return self._scratch
+
+    def buffer_updated(self, nbytes: int) -> None:
         if self._waiter is None:
             self._fail(AnswerLost("the gateway sent bytes no request asked for", before_answer=False))
             return
         self._began = True
+        if self._direct_end >= 0:
+            self._pos += nbytes
+            if self._pos == self._direct_end:
+                self._direct_end = -1
+                self._complete(self._pos)
+            return
         try:
-            self._parser.feed_data(data)
+            self._parser.feed_data(self._scratch[:nbytes])
         except httptools.HttpParserError as exc:
             self._fail(AnswerLost(f"the gateway's answer does not parse: {exc}", before_answer=False))
+            return
+        if self._waiter is not None and self._length > self._pos >= 0 and self._target is not None:
+            self._direct_end = self._length  # the rest of the body: straight into the target
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -99,27 +137,51 @@ class _Connection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
 
+    def on_headers_complete(self) -> None:
+        parser = self._parser
+        self.reusable = parser.should_keep_alive()
+        target = None if self._target_for is None else self._target_for(parser.get_status_code())
+        if target is None:
+            return
+        self._target = target
+        length = next((v for k, v in self._headers if k.lower() == "content-length"), None)
+        if length is not None and length.isdigit() and int(length) <= target.nbytes:  # (llhttp refuses it with chunked)
+            self._length = int(length)
+
     def on_body(self, body: bytes) -> None:
-        self._size += len(body)
-        if self._size > _MAX_ANSWER:
-            raise ValueError("answer too large")  # surfaces from feed_data as a parser error
-        self._body.append(body)
+        target = self._target
+        if target is None:
+            self._pos += len(body)
+            if self._target_for is None and self._pos > _MAX_ANSWER:
+                raise ValueError("answer too large")  # surfaces from feed_data as a parser error
+            self._body.append(body)
+        elif self._pos >= 0:
+            end = self._pos + len(body)
+            if end > target.nbytes:
+                self._pos = -1  # outgrew the target: read to its end, kept nowhere
+            else:
+                target[self._pos : end] = body
+                self._pos = end
 
     def on_message_complete(self) -> None:
-        waiter, self._waiter = self._waiter, None
-        self.reusable = self._parser.should_keep_alive()
-        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
-        answer = Answer(self._parser.get_status_code(), CIMultiDict(self._headers), body)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(answer)
+        if self._target is not None:
+            self._complete(self._pos)
+        else:
+            self._complete(self._body[0] if len(self._body) == 1 else b"".join(self._body))
 
     # -- the request ---------------------------------------------------------------------------------------
 
-    def send(self, head: bytes, body: memoryview, loop: asyncio.AbstractEventLoop) -> asyncio.Future[Answer]:
+    def send(
+        self, head: bytes, body: memoryview, loop: asyncio.AbstractEventLoop, target_for: Target | None
+    ) -> asyncio.Future[Answer]:
         assert self.transport is not None and self._waiter is None
+        self._parser = httptools.HttpResponseParser(self)  # a fresh one: the last body may have passed it by
+        self._target_for = target_for
         self._headers = []
         self._body = []
-        self._size = 0
+        self._target = None
+        self._pos = 0
+        self._length = -1
         self._began = False
         self.reusable = False
         waiter = self._waiter = loop.create_future()
@@ -127,6 +189,13 @@ class _Connection(asyncio.Protocol):
         if body.nbytes:
             self.transport.write(body)
         return waiter
+
+    def _complete(self, body: bytes | int) -> None:
+        waiter, self._waiter = self._waiter, None
+        self._target = None
+        answer = Answer(self._parser.get_status_code(), CIMultiDict(self._headers), body)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(answer)
 
     def _fail(self, exc: AnswerLost) -> None:
         waiter, self._waiter = self._waiter, None
@@ -185,9 +254,19 @@ class LeanPool:
         return _PLAIN_PATH.fullmatch(path) is not None
 
     async def request(
-        self, method: str, path: str, headers: dict[str, str], body: Buffer, *, timeout_s: float | None = None
+        self,
+        method: str,
+        path: str,
+        headers: dict[str, str],
+        body: Buffer = b"",
+        *,
+        target_for: Target | None = None,
+        timeout_s: float | None = None,
     ) -> Answer:
-        """``method path`` with ``headers`` and ``body``; the answer. ConnectionError, TimeoutError."""
+        """``method path`` with ``headers`` and ``body``; the answer, its body collected or received into the buffer
+        ``target_for`` names for its status. A PUT or a GET (an answer to a HEAD has a length and no body: not
+        parsed here). ConnectionError, TimeoutError."""
+        assert method in ("PUT", "GET"), method
         view = memoryview(body)
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")  # bytes, whatever the buffer's items (a tensor's memory: floats, 2-D)
@@ -198,7 +277,7 @@ class LeanPool:
             deadline = loop.time() + timeout
             while True:
                 conn, reused = await self._connection(loop)
-                waiter = conn.send(head, view, loop)
+                waiter = conn.send(head, view, loop, target_for)
                 timer = loop.call_at(deadline, _expire, waiter)
                 try:
                     answer = await waiter
@@ -244,7 +323,7 @@ class LeanPool:
             if "\r" in value or "\n" in value:
                 raise ValueError(f"header {name} holds a line break")
             lines.append(f"{name}: {value}\r\n".encode("latin-1"))
-        lines.append(b"Content-Length: %d\r\n\r\n" % size)
+        lines.append(b"Content-Length: %d\r\n\r\n" % size if size or method == "PUT" else b"\r\n")
         return b"".join(lines)
 
     def close(self) -> None:

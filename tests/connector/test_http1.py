@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import itertools
 import subprocess
 import sys
 import threading
@@ -30,9 +31,10 @@ class RawServer:
     ``ok`` answers 201 and keeps the connection; ``drop`` closes it without an answer (a gateway whose keep-alive
     timeout ran out as the request arrived); ``cut`` sends part of the answer, then closes; ``drip`` sends the
     answer a byte at a time; ``silent`` never answers (it waits for the client to close); ``hold`` answers after
-    0.1 s; ``extra`` answers with a second, unasked answer behind it."""
+    0.1 s; ``extra`` answers with a second, unasked answer behind it; a list of bytes is sent piece by piece, a
+    few milliseconds apart, and the connection kept."""
 
-    script: list[str] = field(default_factory=list)
+    script: list[str | list[bytes]] = field(default_factory=list)
     requests: list[tuple[bytes, bytes]] = field(default_factory=list)
     connections: int = 0
     open: int = 0
@@ -53,6 +55,12 @@ class RawServer:
                 length = next((int(v) for k, _, v in lines if k.lower() == b"content-length"), 0)
                 self.requests.append((head, await reader.readexactly(length)))
                 action = self.script.pop(0) if self.script else "ok"
+                if isinstance(action, list):  # these pieces, a moment apart, as the answer
+                    for piece in action:
+                        writer.write(piece)
+                        await writer.drain()
+                        await asyncio.sleep(0.005)
+                    continue
                 if action in ("drop", "cut"):
                     writer.write(OK[:20] if action == "cut" else b"")
                     await writer.drain()
@@ -230,3 +238,86 @@ print("ok")
 """
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "ok", done.stderr
+
+
+def _answer(body: bytes, *, status: str = "200 OK", length: int | None = None, more: bytes = b"") -> bytes:
+    """A gateway's answer to a GET of ``body`` (its Content-Length ``length`` if given)."""
+    head = f"HTTP/1.1 {status}\r\ncontent-length: {len(body) if length is None else length}\r\n"
+    return head.encode() + b"x-kvgate-checksum: " + checksum(body).header.encode() + b"\r\n" + more + b"\r\n" + body
+
+
+def _pieces(data: bytes, *cuts: int) -> list[bytes]:
+    bounds = [0, *cuts, len(data)]
+    return [data[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def test_a_load_goes_into_the_callers_buffer_in_any_pieces(raw: RawServer) -> None:
+    """The head alone, the head with a few body bytes, the body in pieces: the bytes land in the caller's buffer
+    (after the head, straight from the socket) and the connection serves the next request."""
+    whole = _answer(DATA)
+    head_len = whole.index(b"\r\n\r\n") + 4
+    raw.script = [
+        [whole],
+        _pieces(whole, head_len),
+        _pieces(whole, 5, head_len + 10, head_len + 70_000, len(whole) - 1),
+        _pieces(whole, head_len - 1),
+    ]
+    with client(raw.url) as bc:
+        for i in range(4):
+            into = bytearray(len(DATA))
+            assert bc.run(bc.get_into(key_for(i), memoryview(into)), timeout_s=10)
+            assert into == DATA
+        assert bc.stats.retries == 0 and bc.stats.corrupt_reads == 0
+    assert raw.connections == 1
+    assert all(head.startswith(b"GET /v1/blocks/") and body == b"" for head, body in raw.requests)
+
+
+def test_a_body_of_another_length_than_the_buffer_is_refused(raw: RawServer) -> None:
+    longer, shorter = DATA + b"!", DATA[:-1]
+    raw.script = [_pieces(_answer(longer), 100, 200_000), _pieces(_answer(shorter), 100), [_answer(DATA)]]
+    with client(raw.url) as bc:
+        into = bytearray(len(DATA))
+        assert not bc.run(bc.get_into(key_for(1), memoryview(into)), timeout_s=10)
+        assert not bc.run(bc.get_into(key_for(2), memoryview(into)), timeout_s=10)
+        assert bc.stats.corrupt_reads == 2
+        assert bc.run(bc.get_into(key_for(3), memoryview(into)), timeout_s=10) and into == DATA
+    assert raw.connections == 1  # each answer read to its end: the connection stays in step
+
+
+def test_a_chunked_body_and_an_error_text(raw: RawServer) -> None:
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in _pieces(DATA, 1000, 150_000)) + b"0\r\n\r\n"
+    head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\nx-kvgate-checksum: " + checksum(DATA).header.encode()
+    raw.script = [
+        _pieces(head + b"\r\n\r\n" + chunked, 50, 90_000),
+        [b"HTTP/1.1 404 Not Found\r\ncontent-length: 9\r\n\r\nnot found"],
+    ]
+    with client(raw.url) as bc:
+        into = bytearray(len(DATA))
+        assert bc.run(bc.get_into(key_for(1), memoryview(into)), timeout_s=10) and into == DATA
+        assert not bc.run(bc.get_into(key_for(2), memoryview(into)), timeout_s=10)
+        assert bc.stats.misses == 1 and bc.stats.corrupt_reads == 0
+
+
+def test_a_connection_lost_in_the_middle_of_a_body_is_a_retry(raw: RawServer) -> None:
+    whole = _answer(DATA)
+    raw.script = ["ok", _pieces(whole, 5000)[:1], [whole]]  # the second request: part of the body, then nothing
+    with client(raw.url, request_timeout_s=0.5) as bc:
+        assert bc.run(bc.put(key_for(0), DATA))
+        into = bytearray(len(DATA))
+        assert bc.run(bc.get_into(key_for(1), memoryview(into)), timeout_s=10) and into == DATA
+        assert bc.stats.retries == 1
+
+
+def test_bytes_after_a_body_do_not_go_into_the_buffer(raw: RawServer) -> None:
+    """The body is received into the caller's buffer up to its length, never past it: what follows it (here an
+    answer no request asked for) is read apart, and ends the connection."""
+    whole = _answer(DATA)
+    into = bytearray(len(DATA) + 100)  # room past the body: nothing may land there
+    raw.script = [[whole[:5000], whole[5000:] + b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"], [whole]]
+    with client(raw.url) as bc:
+        view = memoryview(into)[: len(DATA)]
+        assert bc.run(bc.get_into(key_for(1), view), timeout_s=10)
+        assert into == DATA + bytes(100)
+        assert bc.run(bc.get_into(key_for(2), view), timeout_s=10)
+        assert bc.stats.retries == 0
+    assert raw.connections == 2

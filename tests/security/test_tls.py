@@ -119,6 +119,8 @@ def test_connector_client_round_trip_over_mutual_tls(mtls: TlsGateway, pki: Pki)
         assert prefix == 4
         assert [bc.run(bc.get(k)) for k in keys] == blobs
         assert bc.run(bc.get(keys[1], byte_range=(10, 70_000))) == blobs[1][10:70_000]
+        into = bytearray(len(blobs[2]))  # the connector's load: straight into a buffer (TLS records in pieces)
+        assert bc.run(bc.get_into(keys[2], memoryview(into))) and into == blobs[2]
 
 
 def test_server_certificate_from_a_wrong_ca_is_refused(mtls: TlsGateway, pki: Pki) -> None:

@@ -205,7 +205,7 @@ class Settings(BaseSettings):
     )
     put_lane: bool = Field(
         default=True,
-        description="store a PUT of a block of at most 1 MiB whose body is all here within 0.25 s of its head "
+        description="store a PUT of a block of at most 4 MiB whose body is all here within 0.25 s of its head "
         "inside the HTTP protocol, past the ASGI stack (the same answers); false: every PUT goes through the stack",
     )
     limit_concurrency: int | None = Field(default=4096, gt=0, description="uvicorn: connections + tasks (503)")

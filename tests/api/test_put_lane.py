@@ -21,7 +21,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+import pytest
 
+from app.api.server import lanes
 from app.api.server.lanes import BODY_WAIT_S
 from app.api.server.put_lane import MAX_BODY_BYTES, PutLane
 from app.api.server.runner import GatewayServer
@@ -167,6 +169,40 @@ def test_a_client_gone_mid_body_gives_its_slot_back(tmp_path: Path) -> None:
         with httpx.Client(base_url=url) as c:
             assert c.head(f"/v1/blocks/{key_for(500)}").status_code == 404
         assert lane.served == 3
+
+
+def test_the_lane_holds_at_most_its_bytes_and_gives_them_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past ``max_held`` body bytes at once (collecting or being stored), a PUT is the stack's: the lane's bound on
+    memory besides the upload slots. A PUT abandoned mid-body gives its bytes back."""
+    monkeypatch.setattr(lanes, "BODY_WAIT_S", 10.0)  # the held PUT stays the lane's while the test looks
+    with served_server(settings_for(tmp_path, fs=True)) as (url, server):
+        lane = _lane(server)
+        assert lane is not None
+        lane.max_held = len(BODY2) + len(BODY1) - 1  # room for BODY2, or for BODY1, not both
+        parts = urlsplit(url)
+        _, raw = _put(key_for(600), BODY2)
+        with socket.create_connection((parts.hostname, parts.port), timeout=10) as slow:
+            slow.sendall(raw[: len(raw) - 100])
+            for _ in range(100):
+                if lane.held:
+                    break
+                time.sleep(0.01)
+            assert lane.held == len(BODY2)
+            stored, _ = _exchange(url, [_put(key_for(601), BODY1)])
+            assert stored[0].startswith(b"HTTP/1.1 201 ") and lane.served == 0  # the stack's
+        for _ in range(100):
+            if not lane.held:
+                break
+            time.sleep(0.01)
+        assert lane.held == 0
+        for key, body in ((602, BODY1), (603, BODY2)):
+            stored, _ = _exchange(url, [_put(key_for(key), body)])
+            assert stored[0].startswith(b"HTTP/1.1 201 ")
+        assert lane.served == 2
+        assert lane.held == 0
+        with httpx.Client(base_url=url) as c:
+            got = [c.get(f"/v1/blocks/{key_for(k)}").content for k in (601, 602, 603)]
+            assert got == [BODY1, BODY1, BODY2]
 
 
 def test_the_lane_applies_auth_as_the_stack(tmp_path: Path) -> None:

@@ -72,9 +72,9 @@ def test_uploads_past_the_bound_get_429_at_once(gw: Gateway) -> None:
     try:
         for i in range(2):
             s = socket.create_connection(("127.0.0.1", gw.port))
-            # over the PUT lane's 1 MiB (app/api/server/put_lane.py): the stack reads it at once, in several reads,
+            # over the PUT lane's 4 MiB (app/api/server/put_lane.py): the stack reads it at once, in several reads,
             # and the store writes the first batches to a temp file while the rest is awaited
-            s.sendall(put_head(key_for(100 + i), 2_000_000) + b"x" * 600_000)
+            s.sendall(put_head(key_for(100 + i), 5_000_000) + b"x" * 600_000)
             held.append(s)
         # both are in the handler, reading their bodies: each has its temp file
         assert wait_until(lambda: len(temp_files(gw)) == 2), temp_files(gw)

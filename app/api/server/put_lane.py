@@ -11,7 +11,8 @@ auth and limits middlewares' wrappers, the route's binding, a pydantic model for
   ``Transfer-Encoding``, no ``Content-Range`` (a part goes to the stack), ``If-None-Match`` absent or ``*``, and its
   checksum and block-meta headers parse;
 - the caller may write the key's namespace (:func:`app.api.middleware.auth.may_write`, the auth middleware's rule for
-  this route) and an upload slot is free (:class:`app.api.middleware.limits.UploadSlots`, shared with the stack);
+  this route), an upload slot is free (:class:`app.api.middleware.limits.UploadSlots`, shared with the stack) and
+  the bodies the lane holds stay within :data:`HELD_BYTES` with this one;
 
 and its whole body arrives within :data:`app.api.server.lanes.BODY_WAIT_S` of the read that ended its head (a
 quarter of a second: the body rate and pause guards have nothing to judge in that time). Anything else, including
@@ -52,9 +53,14 @@ _READ = frozenset({b"content-length", b"if-none-match", _CHECKSUM, _DIGEST, _MET
 _STACK_ONLY = frozenset({b"transfer-encoding", b"content-range", b"x-kvgate-part-checksum", b"x-kvgate-part-sha256"})
 """Headers that send a PUT to the stack: chunked bodies and parts."""
 _JSON = b"content-type: application/json\r\n"
-MAX_BODY_BYTES = 1024 * 1024
-"""The largest body the lane collects (a rank's share of a block at TP 2-8 is 256-512 KiB for Llama-8B-sized
-models); larger ones stream through the stack, whose reads the store's writes pace (flow control)."""
+MAX_BODY_BYTES = 4 * 1024 * 1024
+"""The largest body the lane collects: a Llama-8B-sized block of 16 tokens at TP=1 is 2 MiB, a rank's share at TP
+2-8 256 KiB-1 MiB. Larger ones stream through the stack, whose reads the store's writes pace (flow control). At
+2 MiB the lane costs 0.80x the stack's server CPU per PUT (``benchmarks.cost --ops put --sizes 2097152 --base``)."""
+HELD_BYTES = 256 * 1024 * 1024
+"""The most body bytes the lane holds at once, over all its PUTs (collecting or being stored): past it a PUT goes to
+the stack, which reads as the store writes. Without it the bound would be ``max_uploads_in_flight`` (256) times
+:data:`MAX_BODY_BYTES`."""
 
 
 @dataclass(slots=True)
@@ -96,6 +102,9 @@ class PutLane:
         self._service: Any = None
         self.served = 0
         """PUTs this lane stored or refused (tests read it)."""
+        self.held = 0
+        """Body bytes of the PUTs the lane has taken and not yet stored or handed over."""
+        self.max_held = HELD_BYTES
 
     def accept(self, path: str, scope: Any, headers: list[tuple[bytes, bytes]], began: float) -> LanePut | None:
         """The PUT of ``path`` (its head just parsed) taken by the lane, holding an upload slot; None: the stack's."""
@@ -118,7 +127,7 @@ class PutLane:
             return None
         size = int(length)
         match = seen.get(b"if-none-match")
-        if size > self._max_bytes or (match is not None and match.strip() != "*"):
+        if size > self._max_bytes or self.held + size > self.max_held or (match is not None and match.strip() != "*"):
             return None
         try:
             key = parse_block_key(path[len(self.prefix) :])
@@ -131,6 +140,7 @@ class PutLane:
             return None
         scope["method"], scope["path"], scope["raw_path"], scope["query_string"] = "PUT", path, path.encode(), b""
         slots.taken += 1
+        self.held += size
         return LanePut(
             key=key,
             size=size,
@@ -142,8 +152,9 @@ class PutLane:
         )
 
     def release(self, put: LanePut) -> None:
-        """Give back ``put``'s upload slot (stored, or handed to the stack)."""
+        """Give back ``put``'s upload slot and its share of the held bytes (stored, or handed to the stack)."""
         self._state.upload_slots.taken -= 1
+        self.held -= put.size
 
     async def store(self, put: LanePut, chunks: list[bytes]) -> Answer:
         """``BlockService.put`` of the body's chunks, answered as the route answers (its slot given back)."""

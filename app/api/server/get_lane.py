@@ -52,6 +52,8 @@ class ReadLane:
         """The app's state: ``core`` once the lifespan has built it; ``request_recorder`` with metrics on."""
         self.prefix = prefix
         self._principals = principals
+        self.reads_headers = principals is not None
+        """Whether the scope it is given must carry the request's Authorization (auth is on)."""
         mine = [r for r in routes if self.method in (getattr(r, "methods", None) or ()) and r.path.startswith(prefix)]
         self.template = route_template(mine[0]) if mine else None
         self._service: Any = None

@@ -78,6 +78,8 @@ class HeadLane(ReadLane):
     """Answers an allowed HEAD of a cached block: the head's bytes, or None (let the full stack answer)."""
 
     method = "HEAD"
+    prelexed = 0
+    """Of those served, the ones answered before the parser saw them (tests read it)."""
 
     def answer(self, path: str, scope: Any) -> bytes | None:
         """The header lines after the status line and the server's default headers, for ``HEAD path``."""
@@ -245,8 +247,7 @@ def with_lanes(
                 super().on_body(body)
 
         def on_message_complete(self) -> None:
-            # an upgrade leaves the parser paused short of what follows: no read is a whole request after it
-            self._at_boundary = not self.parser.should_upgrade()
+            self._at_boundary = True  # an upgrade's too: httptools resumes its parser after it
             cycle = self.cycle
             if type(cycle) is _LaneCycle and cycle.collecting:
                 cycle.stop_collecting()
@@ -325,12 +326,10 @@ def with_lanes(
             begun in an earlier read is the parser's, whatever it looks like."""
             began = time.perf_counter()
             assert head is not None and lexer is not None
-            if len(data) > self.max_header_bytes or self.root_path or self.scheme != "http":
-                return False  # the bounds' 431; a root path: auth reads the path without it; TLS: the peer's cert
-            cycle = self.cycle
-            if (cycle is not None and not cycle.response_complete) or self.pipeline or self.flow.write_paused:
-                return False
-            if self.transport.is_closing():
+            if len(data) > self.max_header_bytes or self.root_path:
+                return False  # the bounds' 431; under a root path auth reads the path without it
+            cycle = self.cycle  # the last request parsed: not complete while any waits in uvicorn's pipeline
+            if (cycle is not None and not cycle.response_complete) or self.flow.write_paused:
                 return False
             limit = self.limit_concurrency
             if limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit):
@@ -339,7 +338,8 @@ def with_lanes(
             if found is None:
                 return False
             scope = _NO_HEADERS
-            if head.reads_headers:  # who the caller is: identify() reads the Authorization line alone
+            if head.reads_headers:  # who the caller is: identify() reads the Authorization line (or a TLS peer's
+                # certificate, not in this scope: such a caller is the parser's, whose scope has it)
                 auth = _AUTHORIZATION.search(data)
                 scope = {"headers": [(b"authorization", auth[1])] if auth is not None else []}
             lines = head.answer(found[1].decode("ascii"), scope)
@@ -353,6 +353,7 @@ def with_lanes(
             self.transport.write(self._head(_OK, lines, True))
             self.server_state.total_requests += 1
             self._idle()
+            head.prelexed += 1
             head.record(time.perf_counter() - began)
             return True
 

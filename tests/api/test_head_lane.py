@@ -316,7 +316,8 @@ def test_a_read_of_one_whole_head_is_answered_before_the_parse(tmp_path: Path) -
         ("Connection: close", [_head(K1, "Connection: close")[1], _head(K2)[1]], ["HEAD", "HEAD"], 0),
         ("Connection: keep-alive", [_head(K1, "Connection: keep-alive")[1]], ["HEAD"], 0),
         ("HTTP/1.0", [_head(K1, version="1.0")[1]], ["HEAD"], 0),
-        ("Transfer-Encoding", [_head(K1, "Transfer-Encoding: chunked")[1] + b"0\r\n\r\n"], ["HEAD"], 0),
+        ("Transfer-Encoding", [_head(K1, "Transfer-Encoding: chunked")[1], b"0\r\n\r\n"], ["HEAD", "HEAD"], 0),
+        ("Upgrade alone: no upgrade", [_head(K1, "Upgrade: foo")[1]], ["HEAD"], 1),
         ("content-length", [_head(K1, "content-length: 0")[1]], ["HEAD"], 0),
         ("Expect", [_head(K1, "Expect: 100-continue")[1]], ["HEAD"], 0),
         ("Upgrade, then a HEAD", [_head(K1, *upgrade)[1], _head(K1)[1]], ["HEAD", "HEAD"], 1),  # httptools resumes

@@ -59,11 +59,12 @@ _BODY_HEADERS = frozenset({b"content-length", b"transfer-encoding"})
 def head_lexer(prefix: str) -> re.Pattern[bytes]:
     """The one request head the HEAD lane answers before the parser sees it: ``HEAD <prefix><key> HTTP/1.1``, a key
     of the block keys' characters (no ``%``, no query), token-named header lines of printable ASCII (no obs-fold,
-    no bare LF, no NUL or other control but HTAB), none that declares a body, expects, upgrades or speaks of the
-    connection, and the blank line last: a whole, lone request (its one CRLFCRLF at its end). Group 1: the path."""
+    no bare LF, no NUL or other control but HTAB), none that declares a body, expects, or speaks of the connection
+    (an upgrade needs a Connection line too), and the blank line last: a whole, lone request (its one CRLFCRLF at its
+    end). Group 1: the path."""
     return re.compile(
         b"HEAD (" + re.escape(prefix.encode("ascii")) + rb"[A-Za-z0-9._/-]+) HTTP/1\.1\r\n"
-        rb"(?:(?!(?i:content-length|transfer-encoding|expect|upgrade|connection):)"
+        rb"(?:(?!(?i:content-length|transfer-encoding|expect|connection):)"
         rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+:[\t\x20-\x7e]*\r\n)*\r\n"
     )
 

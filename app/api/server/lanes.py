@@ -162,6 +162,7 @@ def with_lanes(
 
     parent: Any = base  # a class chosen at run time: its attributes are uvicorn's protocol's
     lexer = head_lexer(head.prefix) if head is not None else None
+    joined: list[Any] = [None, b""]
 
     class LanesProtocol(parent):  # type: ignore[misc]
         cycle: Any  # uvicorn's (annotations only: no class attribute)
@@ -370,14 +371,13 @@ def with_lanes(
                 self.transport.close()
 
         def _head(self, status_line: bytes, lines: bytes, keep_alive: bool) -> bytes:
-            head = [status_line]
-            for name, value in self.server_state.default_headers:
-                head += (name, b": ", value, b"\r\n")
-            head.append(lines)
-            if not keep_alive:
-                head.append(b"connection: close\r\n")
-            head.append(b"\r\n")
-            return b"".join(head)
+            defaults = self.server_state.default_headers
+            if defaults is not joined[0]:
+                # uvicorn's default headers, joined once per list: it makes a new one each second (the date); the
+                # one kept here cannot be freed, so no new list can be it
+                joined[:] = defaults, b"".join(b"%s: %s\r\n" % header for header in defaults)
+            close = b"" if keep_alive else b"connection: close\r\n"
+            return b"".join((status_line, joined[1], lines, close, b"\r\n"))
 
         def _body_late(self, cycle: _LaneCycle) -> None:
             if self.cycle is cycle and cycle.collecting:

@@ -9,13 +9,14 @@ answered the ones it can (and only those), and the request metrics and hit count
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import httpx
@@ -263,3 +264,207 @@ def test_keep_alive_after_the_lanes_answers(tmp_path: Path) -> None:
             waited = _closed_within(mixed, 5.0)
             assert waited is not None and 0.5 <= waited <= 2.0, waited
         assert lane.served >= 10
+
+
+def _converse(url: str, writes: list[bytes], methods: list[str], *, gap_s: float = 0.05) -> tuple[list[bytes], bool]:
+    """Send each of ``writes`` on one connection as a write of its own, ``gap_s`` apart (each one read of its own
+    by the server); then the answers to ``methods`` (fewer where the server sends fewer: a second's silence ends
+    the reading), and whether the server closed the connection."""
+    parts = urlsplit(url)
+    with socket.create_connection((parts.hostname, parts.port), timeout=10) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for data in writes:
+            sock.sendall(data)
+            time.sleep(gap_s)
+        sock.settimeout(1.0)
+        try:
+            answers = _read_answers(sock, methods)
+        except TimeoutError:
+            answers = [b"(silence)"]
+        sock.settimeout(0.3)
+        try:
+            closed = sock.recv(1) == b""
+        except TimeoutError:
+            closed = False
+    return answers, closed
+
+
+def _raw(line: bytes, *headers: bytes) -> bytes:
+    return b"\r\n".join([line, b"Host: kvgate.test", *headers]) + b"\r\n\r\n"
+
+
+def test_a_read_of_one_whole_head_is_answered_before_the_parse(tmp_path: Path) -> None:
+    """A read that is one whole, plain HEAD of a cached block is answered before httptools parses it (the lane's
+    ``prelexed``), byte for byte as the stack; a read that is anything else, or that ends a head begun in an
+    earlier read, goes to the parser as before (whatever it holds), and the stack's answers stay the same."""
+    head1, head2 = f"HEAD /v1/blocks/{K1} HTTP/1.1".encode(), f"HEAD /v1/blocks/{K2} HTTP/1.1".encode()
+    put4 = _req("PUT", f"/v1/blocks/{key_for(4)}", "Content-Length: 10")[1] + BODY3
+    get4, after = _req("GET", f"/v1/blocks/{key_for(4)}")[1], ["HEAD", "PUT", "GET", "HEAD"]
+    upgrade = ["Connection: upgrade", "Upgrade: foo"]
+    cases: list[tuple[str, list[bytes], list[str], int]] = [
+        # (what, each write a read of its own, the answers' methods, how many the pre-parse answers)
+        ("plain", [_head(K1)[1]], ["HEAD"], 1),
+        ("no header at all", [head1 + b"\r\n\r\n"], ["HEAD"], 1),
+        ("blanks, HTAB, odd tokens", [_raw(head1, b"X-A:\t a b \t", b"X!#$%&'*+.^_`|~-Z: 1", b"Empty:")], ["HEAD"], 1),
+        ("a header that reads like a HEAD", [_raw(head1, b"X-Note: " + head2)], ["HEAD"], 1),
+        # a split head: the read that ends it is the parser's (taken alone, the second read is a HEAD of K2)
+        ("a head split in two reads", [head1 + b"\r\nHost: x\r\n", b"X-A: b\r\n\r\n"], ["HEAD"], 0),
+        ("a header's value split", [_req("GET", f"/v1/blocks/{K1}")[1][:-2] + b"X-A: ", _raw(head2)], ["GET"], 0),
+        ("pipelined in one read", [_head(K1)[1] + _head(K2)[1]], ["HEAD", "HEAD"], 0),
+        ("a GET behind it in one read", [_head(K1)[1] + _req("GET", f"/v1/blocks/{K1}")[1]], ["HEAD", "GET"], 0),
+        ("keep-alive: then a PUT, a GET, a HEAD", [_head(K1)[1], put4, get4, _head(key_for(4))[1]], after, 2),
+        ("Connection: close", [_head(K1, "Connection: close")[1], _head(K2)[1]], ["HEAD", "HEAD"], 0),
+        ("Connection: keep-alive", [_head(K1, "Connection: keep-alive")[1]], ["HEAD"], 0),
+        ("HTTP/1.0", [_head(K1, version="1.0")[1]], ["HEAD"], 0),
+        ("Transfer-Encoding", [_head(K1, "Transfer-Encoding: chunked")[1], b"0\r\n\r\n"], ["HEAD", "HEAD"], 0),
+        ("Upgrade alone: no upgrade", [_head(K1, "Upgrade: foo")[1]], ["HEAD"], 1),
+        ("content-length", [_head(K1, "content-length: 0")[1]], ["HEAD"], 0),
+        ("Expect", [_head(K1, "Expect: 100-continue")[1]], ["HEAD"], 0),
+        ("Upgrade, then a HEAD", [_head(K1, *upgrade)[1], _head(K1)[1]], ["HEAD", "HEAD"], 1),  # httptools resumes
+        ("NUL in a value", [_raw(head1, b"X-A: a\x00b")], ["HEAD"], 0),
+        ("a control in a value", [_raw(head1, b"X-A: a\x01b")], ["HEAD"], 0),
+        ("obs-text in a value", [_raw(head1, b"X-A: caf\xe9")], ["HEAD"], 0),
+        ("bare LF", [head1 + b"\r\nHost: x\nX-A: b\r\n\r\n"], ["HEAD"], 0),
+        ("obs-fold", [_raw(head1, b"X-A: a", b" b")], ["HEAD"], 0),
+        ("a blank before the colon", [_raw(head1, b"X-A : b")], ["HEAD"], 0),
+        ("an empty header name", [_raw(head1, b": b")], ["HEAD"], 0),
+        ("a lowercase method", [_raw(b"head" + head1[4:])], ["HEAD"], 0),
+        ("a byte past ASCII in the path", [_raw(head1.replace(b".bin", b"\xff.bin"))], ["HEAD"], 0),
+        ("percent-encoded path", [_head(K1.replace("_g0/", "%5Fg0/"))[1]], ["HEAD"], 0),
+        ("query string", [_req("HEAD", f"/v1/blocks/{K1}?x=1")[1]], ["HEAD"], 0),
+        ("fragment", [_req("HEAD", f"/v1/blocks/{K1}#x")[1]], ["HEAD"], 0),
+        ("a miss", [_head(MISSING)[1]], ["HEAD"], 0),
+        ("a CRLF before the request", [b"\r\n" + _head(K1)[1]], ["HEAD"], 0),
+    ]
+    with _pair(tmp_path) as ((lane_url, lane_server), (stack_url, stack_server)):
+        _put_blocks(lane_url)
+        _put_blocks(stack_url)
+        lane = _lane(lane_server)
+        assert lane is not None
+        for what, writes, methods, prelexed in cases:
+            before = lane.prelexed
+            got = _converse(lane_url, writes, methods)
+            assert got == _converse(stack_url, writes, methods), what
+            assert lane.prelexed - before == prelexed, what
+        assert _request_samples(lane_url) == _request_samples(stack_url)
+        counted = [s.server.server_state.total_requests for s in (lane_server, stack_server)]
+        assert counted[0] == counted[1], counted
+
+
+def test_after_an_upgrade_the_next_read_is_a_request(tmp_path: Path) -> None:
+    """A request that asks for an upgrade uvicorn does not make is answered; httptools resumes its parser after it
+    (what followed it in its read is dropped), so the next read is a new request, for the pre-parse as for the
+    stack."""
+    upgrade = _req("GET", "/healthz", "Connection: upgrade", "Upgrade: foo")[1]
+    with _pair(tmp_path) as ((lane_url, lane_server), (stack_url, _)):
+        _put_blocks(lane_url)
+        _put_blocks(stack_url)
+        lane = _lane(lane_server)
+        assert lane is not None
+        for writes, prelexed in (([upgrade, _head(K1)[1]], 1), ([upgrade + _head(K2)[1], _head(K1)[1]], 1)):
+            got = _converse(lane_url, writes, ["GET", "HEAD"])
+            assert got == _converse(stack_url, writes, ["GET", "HEAD"])
+            assert len(got[0]) == 2 and got[0][0].startswith(b"HTTP/1.1 200 ")
+            assert lane.prelexed == prelexed
+            lane.prelexed = 0
+
+
+def test_the_pre_parse_applies_auth_as_the_stack(tmp_path: Path) -> None:
+    """The Authorization line the pre-parse reads is the one the stack's auth reads: the first, less its blanks."""
+    read, bad = TOKENS["read"], "not-a-token"
+    cases = [
+        (f"Authorization: Bearer {read}", 200, 1),
+        (f"authorization:  \tBearer {read} \t", 200, 1),
+        (f"Authorization: Bearer {bad}\r\nAuthorization: Bearer {read}", 401, 0),
+        (f"Authorization: Bearer {read}\r\nAuthorization: Bearer {bad}", 200, 1),
+        (f"X-Authorization: Bearer {read}", 401, 0),
+        (f"Authorization: Bearer {TOKENS['other']}", 403, 0),
+    ]
+    with _pair(tmp_path, tokens=json.loads(tokens_json())) as ((lane_url, lane_server), (stack_url, _)):
+        writer = {"Authorization": f"Bearer {TOKENS['write']}"}
+        _put_blocks(lane_url, writer)
+        _put_blocks(stack_url, writer)
+        lane = _lane(lane_server)
+        assert lane is not None
+        for header, status, prelexed in cases:
+            before = lane.prelexed
+            got = _converse(lane_url, [_head(K1, header)[1]], ["HEAD"])
+            assert got == _converse(stack_url, [_head(K1, header)[1]], ["HEAD"]), header
+            assert got[0][0].startswith(b"HTTP/1.1 %d " % status), header
+            assert lane.prelexed - before == prelexed, header
+
+
+def test_the_head_bounds_hold_for_the_pre_parse(tmp_path: Path) -> None:
+    """A head over ``max_header_bytes`` in one read is the bounds' 431, not the pre-parse's 200; heads the
+    pre-parse answers are each counted alone, not summed along the connection."""
+    with served_server(settings_for(tmp_path, fs=True, max_header_bytes=400)) as (url, server):
+        _put_blocks(url)
+        lane = _lane(server)
+        assert lane is not None
+        answers, _ = _converse(url, [_head(K1, "X-Filler: " + "a" * 300)[1]], ["HEAD"])
+        assert answers[0].startswith(b"HTTP/1.1 431 "), answers
+        assert lane.served == 0
+        heads = [_head(K1, "X-Filler: " + "a" * 150)[1]] * 6  # 6 x 300 bytes on one connection
+        answers, closed = _converse(url, heads, ["HEAD"] * 6)
+        assert [a[:13] for a in answers] == [b"HTTP/1.1 200 "] * 6 and not closed
+        assert lane.prelexed == 6
+
+
+def test_the_pre_parse_waits_its_turn(tmp_path: Path) -> None:
+    """A HEAD read while an earlier request of the connection is still being answered waits behind it (uvicorn's
+    pipeline), and one read while the client is not reading waits for the client, as the stack's answers do."""
+    with _pair(tmp_path) as ((lane_url, lane_server), (stack_url, stack_server)):
+        for server in (lane_server, stack_server):
+            app = server.server.config.loaded_app
+
+            async def slow(scope: Any, receive: Any, send: Any, app: Any = app) -> None:
+                if scope["type"] == "http" and scope["path"] == "/slow":
+                    await asyncio.sleep(0.3)
+                await app(scope, receive, send)
+
+            server.server.config.loaded_app = slow  # read by each new connection's protocol
+        _put_blocks(lane_url)
+        _put_blocks(stack_url)
+        lane = _lane(lane_server)
+        assert lane is not None
+        writes = [_req("GET", "/slow")[1], _head(K1)[1]]
+        got = _converse(lane_url, writes, ["GET", "HEAD"])
+        assert got == _converse(stack_url, writes, ["GET", "HEAD"])
+        assert got[0][0].startswith(b"HTTP/1.1 404 ") and got[0][1].startswith(b"HTTP/1.1 200 ")
+        assert lane.prelexed == 0
+        big = random_bytes(3 * 1024 * 1024, seed=4)
+        with httpx.Client(base_url=lane_url) as c:
+            assert c.put(f"/v1/blocks/{key_for(4)}", content=big).status_code == 201
+        parts = urlsplit(lane_url)
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+            sock.settimeout(10)
+            sock.connect((parts.hostname, parts.port))
+            gets, state = 0, cast(Any, lane_server.server.server_state)
+            while not any(p.flow.write_paused for p in state.connections):
+                assert gets < 8, "the server's writes never paused"
+                sock.sendall(_req("GET", f"/v1/blocks/{key_for(4)}")[1])  # until the socket's buffers are full
+                gets += 1
+                time.sleep(0.2)
+            sock.sendall(_head(K1)[1])
+            time.sleep(0.3)
+            assert lane.prelexed == 0 and lane.served == 0
+            answers = _read_answers(sock, ["GET"] * gets + ["HEAD"])
+        assert all(a.endswith(big) for a in answers[:gets]) and answers[gets].startswith(b"HTTP/1.1 200 ")
+
+
+def test_no_pre_parse_past_the_concurrency_limit(tmp_path: Path) -> None:
+    """Past uvicorn's concurrency limit the answer is uvicorn's 503, lane or not."""
+    with _pair(tmp_path, limit_concurrency=2) as ((lane_url, lane_server), (stack_url, _)):
+        _put_blocks(lane_url)
+        _put_blocks(stack_url)
+        lane = _lane(lane_server)
+        assert lane is not None
+        got = []
+        for url in (lane_url, stack_url):
+            parts = urlsplit(url)
+            with socket.create_connection((parts.hostname, parts.port), timeout=10):  # a second connection
+                time.sleep(0.1)
+                got.append(_converse(url, [_head(K1)[1]], ["HEAD"]))
+        assert got[0] == got[1] and got[0][0][0].startswith(b"HTTP/1.1 503 "), got
+        assert lane.served == 0

@@ -52,9 +52,12 @@ class ReadLane:
         """The app's state: ``core`` once the lifespan has built it; ``request_recorder`` with metrics on."""
         self.prefix = prefix
         self._principals = principals
+        self.reads_headers = principals is not None
+        """Whether the scope it is given must carry the request's Authorization (auth is on)."""
         mine = [r for r in routes if self.method in (getattr(r, "methods", None) or ()) and r.path.startswith(prefix)]
         self.template = route_template(mine[0]) if mine else None
         self._service: Any = None
+        self._recorder: RequestRecorder | None = None
         self.served = 0
         """Requests this lane answered (tests read it)."""
 
@@ -67,16 +70,19 @@ class ReadLane:
         meta = service.cached(key)  # only block keys are cached: a row found is a valid key's
         if meta is None:
             return None
-        try:
-            namespace = block_namespace(key)
-        except InvalidKey:
-            return None
-        if not may_read(self._principals, scope, namespace):
-            return None
+        if self._principals is not None:  # auth is on (off, may_read allows all: the key's namespace is not parsed)
+            try:
+                namespace = block_namespace(key)
+            except InvalidKey:
+                return None
+            if not may_read(self._principals, scope, namespace):
+                return None
         return service, key, meta
 
     def _record(self, seconds: float, sent: int) -> None:
-        recorder: RequestRecorder | None = getattr(self._state, "request_recorder", None)
+        recorder = self._recorder
+        if recorder is None:  # looked up until found: the app's state is a Python __getattr__ per read
+            recorder = self._recorder = getattr(self._state, "request_recorder", None)
         if recorder is not None and self.template is not None:
             recorder.record(self.method, self.template, 200, seconds, 0, sent)
 

@@ -101,6 +101,13 @@ def bounded_httptools(
             super().on_message_complete()
             self._awaiting_head = True
 
+        def _head_read(self) -> None:
+            """A whole head read and answered without the parser (the HEAD lane, app/api/server/lanes.py): as its
+            on_headers_complete and on_message_complete would have."""
+            self._head_bytes = 0
+            self._disarm()
+            super()._head_read()
+
         # The head's deadline is a number; the timer that enforces it is made once and kept: when it fires early
         # (the head it was made for is long done) it re-arms itself for the deadline now in force, if any. A timer
         # made and cancelled for every request of a keep-alive connection cost more than the lane's whole answer.
@@ -155,4 +162,5 @@ def bounded_httptools(
             self.transport.write(payload)
             self.transport.close()
 
+    BoundedHttpToolsProtocol.max_header_bytes = max_header_bytes  # the HEAD lane's bound too (lanes.py)
     return BoundedHttpToolsProtocol

@@ -25,12 +25,20 @@ Anything else goes down the usual stack unchanged: a miss, an uncached row, a ba
 answers (and logs) they always had. The answer is byte for byte the full stack's (uvicorn's default headers, the
 ETag and checksum lines, ``Connection: close`` where the connection ends), counted in the same request metrics and
 hit counter; tests/api/test_head_lane.py compares the two on a real server. ``KVGATE_HEAD_LANE=false`` turns it off.
+
+Even past the stack, most of such a HEAD's CPU went to the parse: httptools' callbacks into uvicorn (a scope dict
+per request, a call per header line), the head bounds' sums. So a read that is one whole, plain HEAD of a block and
+nothing else (:func:`head_lexer`: conservative, anything unusual is the parser's) is answered before the parser sees
+it, under the same checks and with the same bytes, when the parser is between two requests (a read that ends a head
+begun earlier is the parser's whatever it holds: taken for a request of its own, a header line split across reads
+would smuggle one).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import time
 from typing import Any
 from urllib.parse import unquote
@@ -48,10 +56,31 @@ _OK = STATUS_LINE[200]
 _BODY_HEADERS = frozenset({b"content-length", b"transfer-encoding"})
 
 
+def head_lexer(prefix: str) -> re.Pattern[bytes]:
+    """The one request head the HEAD lane answers before the parser sees it: ``HEAD <prefix><key> HTTP/1.1``, a key
+    of the block keys' characters (no ``%``, no query), token-named header lines of printable ASCII (no obs-fold,
+    no bare LF, no NUL or other control but HTAB), none that declares a body, expects, or speaks of the connection
+    (an upgrade needs a Connection line too), and the blank line last: a whole, lone request (its one CRLFCRLF at its
+    end). Group 1: the path."""
+    return re.compile(
+        b"HEAD (" + re.escape(prefix.encode("ascii")) + rb"[A-Za-z0-9._/-]+) HTTP/1\.1\r\n"
+        rb"(?:(?!(?i:content-length|transfer-encoding|expect|connection):)"
+        rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+:[\t\x20-\x7e]*\r\n)*\r\n"
+    )
+
+
+_AUTHORIZATION = re.compile(rb"\r\n(?i:authorization):[ \t]*([\t\x20-\x7e]*?)[ \t]*\r\n")
+"""The first Authorization line of a head :func:`head_lexer` took, its value as uvicorn's scope has it (llhttp
+drops the leading blanks, uvicorn the trailing ones)."""
+_NO_HEADERS: Any = {"headers": ()}
+
+
 class HeadLane(ReadLane):
     """Answers an allowed HEAD of a cached block: the head's bytes, or None (let the full stack answer)."""
 
     method = "HEAD"
+    prelexed = 0
+    """Of those served, the ones answered before the parser saw them (tests read it)."""
 
     def answer(self, path: str, scope: Any) -> bytes | None:
         """The header lines after the status line and the server's default headers, for ``HEAD path``."""
@@ -132,6 +161,8 @@ def with_lanes(
     head, which they answer 431 through the stack, is never a lane's)."""
 
     parent: Any = base  # a class chosen at run time: its attributes are uvicorn's protocol's
+    lexer = head_lexer(head.prefix) if head is not None else None
+    joined: list[Any] = [None, b""]
 
     class LanesProtocol(parent):  # type: ignore[misc]
         cycle: Any  # uvicorn's (annotations only: no class attribute)
@@ -141,11 +172,17 @@ def with_lanes(
         head_too_large = False
         """Set by the head bounds while the stack answers 431: no lane takes the request."""
         _lane_answered = False
+        _at_boundary = True
+        """The parser is between two requests (none begun): only then may a read be taken for a whole request."""
+        max_header_bytes = 64 * 1024
+        """The head bounds' limit (theirs where they are above): a longer read is never the HEAD lane's."""
         _idle_at: float | None = None
         """When the connection, idle after a lane's answer, is to be closed (uvicorn's keep-alive timeout)."""
         _idle_timer: asyncio.TimerHandle | None = None
 
         def data_received(self, data: bytes) -> None:
+            if self._at_boundary and head is not None and data[:5] == b"HEAD " and self._prelexed(data):
+                return
             super().data_received(data)
             cycle = self.cycle
             if type(cycle) is _LaneCycle and cycle.collecting and cycle.wait is None:
@@ -200,6 +237,10 @@ def with_lanes(
             if self.head_too_large or not self._lane(time.perf_counter()):
                 super().on_headers_complete()
 
+        def on_message_begin(self) -> None:
+            self._at_boundary = False
+            super().on_message_begin()
+
         def on_body(self, body: bytes) -> None:
             cycle = self.cycle
             if type(cycle) is _LaneCycle and cycle.collecting:
@@ -208,6 +249,7 @@ def with_lanes(
                 super().on_body(body)
 
         def on_message_complete(self) -> None:
+            self._at_boundary = True  # an upgrade's too: httptools resumes its parser after it
             cycle = self.cycle
             if type(cycle) is _LaneCycle and cycle.collecting:
                 cycle.stop_collecting()
@@ -278,6 +320,48 @@ def with_lanes(
             lane.record(time.perf_counter() - began)
             return True
 
+        def _prelexed(self, data: bytes) -> bool:
+            """Answer ``data``, a read with a whole ``HEAD`` of a block and nothing else, before the parser sees it
+            (the parser's callbacks, uvicorn's scope, the head bounds' sums were most of the CPU of a lane's HEAD);
+            False (nothing done: the parser takes the read) for anything :func:`head_lexer` does not take, or any
+            request the lane would leave to the stack. Called only at a request boundary: a read that ends a head
+            begun in an earlier read is the parser's, whatever it looks like."""
+            began = time.perf_counter()
+            assert head is not None and lexer is not None
+            if len(data) > self.max_header_bytes or self.root_path:
+                return False  # the bounds' 431; under a root path auth reads the path without it
+            cycle = self.cycle  # the last request parsed: not complete while any waits in uvicorn's pipeline
+            if (cycle is not None and not cycle.response_complete) or self.flow.write_paused:
+                return False
+            limit = self.limit_concurrency
+            if limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit):
+                return False
+            found = lexer.fullmatch(data)
+            if found is None:
+                return False
+            scope = _NO_HEADERS
+            if head.reads_headers:  # who the caller is: identify() reads the Authorization line (or a TLS peer's
+                # certificate, not in this scope: such a caller is the parser's, whose scope has it)
+                auth = _AUTHORIZATION.search(data)
+                scope = {"headers": [(b"authorization", auth[1])] if auth is not None else []}
+            lines = head.answer(found[1].decode("ascii"), scope)
+            if lines is None:
+                return False
+            # as uvicorn's data_received, the head bounds' and on_headers_complete, then _answered and data_received
+            # with a lane's answer: keep-alive (no Connection line), idle once written
+            self._unset_keepalive_if_required()
+            self._head_read()
+            self.cycle = ANSWERED
+            self.transport.write(self._head(_OK, lines, True))
+            self.server_state.total_requests += 1
+            self._idle()
+            head.prelexed += 1
+            head.record(time.perf_counter() - began)
+            return True
+
+        def _head_read(self) -> None:
+            """A whole head was read and answered without the parser (the head bounds above reset their count)."""
+
         def _answered(self, keep_alive: bool) -> None:
             """A lane's whole answer is written: counted, and the connection kept for the next request or closed."""
             self.server_state.total_requests += 1
@@ -287,14 +371,13 @@ def with_lanes(
                 self.transport.close()
 
         def _head(self, status_line: bytes, lines: bytes, keep_alive: bool) -> bytes:
-            head = [status_line]
-            for name, value in self.server_state.default_headers:
-                head += (name, b": ", value, b"\r\n")
-            head.append(lines)
-            if not keep_alive:
-                head.append(b"connection: close\r\n")
-            head.append(b"\r\n")
-            return b"".join(head)
+            defaults = self.server_state.default_headers
+            if defaults is not joined[0]:
+                # uvicorn's default headers, joined once per list: it makes a new one each second (the date); the
+                # one kept here cannot be freed, so no new list can be it
+                joined[:] = defaults, b"".join(b"%s: %s\r\n" % header for header in defaults)
+            close = b"" if keep_alive else b"connection: close\r\n"
+            return b"".join((status_line, joined[1], lines, close, b"\r\n"))
 
         def _body_late(self, cycle: _LaneCycle) -> None:
             if self.cycle is cycle and cycle.collecting:

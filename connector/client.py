@@ -103,7 +103,7 @@ class BlockClient:
         tls = client_ssl_context(ca_file=cfg.ca_file, cert_file=cfg.cert_file, key_file=cfg.key_file)
         connector = aiohttp.TCPConnector(limit=cfg.max_connections, ttl_dns_cache=300, ssl=tls)
         timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s)
-        if cfg.lean_put and LeanPool is not None and LeanPool.serves(cfg.base_url):
+        if cfg.lean_http and LeanPool is not None and LeanPool.serves(cfg.base_url):
             self._lean = LeanPool(
                 cfg.base_url,
                 limit=cfg.max_connections,

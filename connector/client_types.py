@@ -31,9 +31,9 @@ class ClientConfig:
     """With an https URL: one GET /healthz at construction, so a certificate error fails there, loudly."""
     checksum: str = CRC64NVME
     """The checksum sent with every store (``crc64nvme`` or ``sha256``), which the gateway verifies and records."""
-    lean_put: bool = True
-    """Block PUTs on connector/http1.py's lean HTTP/1.1 pool (its own ``max_connections``), not aiohttp's: a
-    fraction of the CPU per request. False: every request on aiohttp."""
+    lean_http: bool = True
+    """Block PUTs and GETs on connector/http1.py's lean HTTP/1.1 pool (its own ``max_connections``), not aiohttp's:
+    a fraction of the CPU per request. False: every request on aiohttp."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -215,7 +215,7 @@ def test_at_most_max_connections(raw: RawServer) -> None:
 
 @pytest.mark.parametrize("lean", [True, False])
 def test_both_clients_store_the_same_bytes(gateway: Gateway, lean: bool) -> None:
-    with client(gateway.url, lean_put=lean) as bc:
+    with client(gateway.url, lean_http=lean) as bc:
         blobs = {key_for(i): random_bytes(4096 * (i + 1), seed=i) for i in range(8)}
         for key, blob in blobs.items():
             assert bc.run(bc.put(key, blob))

@@ -71,12 +71,16 @@ def _exchange(url: str, requests: list[tuple[str, bytes]]) -> tuple[list[bytes],
     with socket.create_connection((parts.hostname, parts.port), timeout=10) as sock:
         sock.sendall(b"".join(raw for _, raw in requests))
         answers = _read_answers(sock, [method for method, _ in requests])
-        sock.settimeout(0.3)
-        try:
-            closed = sock.recv(1) == b""
-        except TimeoutError:
-            closed = False
-    return answers, closed
+        return answers, _closed(sock)
+
+
+def _closed(sock: socket.socket) -> bool:
+    """Whether the server closes the connection (within 0.3 s) after its answers."""
+    sock.settimeout(0.3)
+    try:
+        return sock.recv(1) == b""
+    except TimeoutError:
+        return False
 
 
 def _req(method: str, target: str, *headers: str, version: str = "1.1") -> tuple[str, bytes]:
@@ -281,12 +285,7 @@ def _converse(url: str, writes: list[bytes], methods: list[str], *, gap_s: float
             answers = _read_answers(sock, methods)
         except TimeoutError:
             answers = [b"(silence)"]
-        sock.settimeout(0.3)
-        try:
-            closed = sock.recv(1) == b""
-        except TimeoutError:
-            closed = False
-    return answers, closed
+        return answers, _closed(sock)
 
 
 def _raw(line: bytes, *headers: bytes) -> bytes:

@@ -24,6 +24,27 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 UNMATCHED = "<unmatched>"
 
 
+class Series:
+    """One (method, route, status)'s request count and its (method, route)'s latency histogram, in a recorder."""
+
+    __slots__ = ("_counted", "_recorder", "_timed")
+
+    def __init__(self, recorder: RequestRecorder, counted: list[float], timed: list[float]) -> None:
+        self._recorder = recorder
+        self._counted = counted
+        self._timed = timed
+
+    def add(self, seconds: float, received: int, sent: int) -> None:
+        self._counted[0] += 1
+        timed = self._timed
+        timed[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1  # le: a value equal to a bound is in its bucket
+        timed[-2] += seconds
+        if received:
+            self._recorder.bytes_in += received
+        if sent:
+            self._recorder.bytes_out += sent
+
+
 class RequestRecorder(Collector):
     """The request-side series (requests, latency, bytes), kept as plain numbers on the event loop and turned into
     Prometheus samples at scrape time. The same series as ``prometheus_client``'s Counter and Histogram give (names,
@@ -42,19 +63,18 @@ class RequestRecorder(Collector):
         self._created = time.time()
 
     def record(self, method: str, template: str, status: int, seconds: float, received: int, sent: int) -> None:
+        self.series(method, template, status).add(seconds, received, sent)
+
+    def series(self, method: str, template: str, status: int) -> Series:
+        """The series a request of these labels is counted in (made when new): the lanes, which answer the same
+        labels again and again, keep it and :meth:`Series.add` to it (no label tuples, no dict look-ups)."""
         counted = self._requests.get((method, template, status))
         if counted is None:
             counted = self._requests[(method, template, status)] = [0, time.time()]
-        counted[0] += 1
         timed = self._latency.get((method, template))
         if timed is None:
             timed = self._latency[(method, template)] = [0] * (len(LATENCY_BUCKETS) + 1) + [0.0, time.time()]
-        timed[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1  # le: a value equal to a bound is in its bucket
-        timed[-2] += seconds
-        if received:
-            self.bytes_in += received
-        if sent:
-            self.bytes_out += sent
+        return Series(self, counted, timed)
 
     def collect(self) -> Iterator[Metric]:
         requests = CounterMetricFamily("kvgate_requests", "HTTP requests", labels=["method", "route", "status"])

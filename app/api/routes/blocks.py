@@ -73,10 +73,11 @@ def _checksum_headers(token: str) -> tuple[tuple[str, str], ...]:
 
 
 @functools.lru_cache(maxsize=4096)
-def encoded_meta_headers(token: str) -> bytes:
-    """:func:`meta_headers` of a version with checksum ``token``, as the lines of an HTTP/1.1 head (the HEAD lane
-    writes them as they are: app/api/server/lanes.py)."""
-    lines = [*_checksum_headers(token), ("Accept-Ranges", "bytes")]
+def encoded_meta_headers(token: str, size: int) -> bytes:
+    """:func:`meta_headers` of a version with checksum ``token`` and ``size`` bytes, with its Content-Length, as the
+    lines of an HTTP/1.1 head (the HEAD and GET lanes write them as they are: app/api/server/lanes.py, get_lane.py;
+    one cached call per answer)."""
+    lines = [*_checksum_headers(token), ("Accept-Ranges", "bytes"), ("Content-Length", str(size))]
     return b"".join(f"{name.lower()}: {value}\r\n".encode("latin-1") for name, value in lines)
 
 

@@ -29,7 +29,7 @@ import os
 from typing import Any
 
 from app.api.middleware.auth import may_read
-from app.api.middleware.metrics import RequestRecorder, route_template
+from app.api.middleware.metrics import RequestRecorder, Series, route_template
 from app.api.middleware.principals import Principals
 from app.api.routes.blocks import encoded_meta_headers
 from app.api.server.put_lane import lane_service
@@ -57,7 +57,8 @@ class ReadLane:
         mine = [r for r in routes if self.method in (getattr(r, "methods", None) or ()) and r.path.startswith(prefix)]
         self.template = route_template(mine[0]) if mine else None
         self._service: Any = None
-        self._recorder: RequestRecorder | None = None
+        self._series: Series | None = None
+        """Where its answers (all 200) are counted, once metrics are up."""
         self.served = 0
         """Requests this lane answered (tests read it)."""
 
@@ -80,11 +81,13 @@ class ReadLane:
         return service, key, meta
 
     def _record(self, seconds: float, sent: int) -> None:
-        recorder = self._recorder
-        if recorder is None:  # looked up until found: the app's state is a Python __getattr__ per read
-            recorder = self._recorder = getattr(self._state, "request_recorder", None)
-        if recorder is not None and self.template is not None:
-            recorder.record(self.method, self.template, 200, seconds, 0, sent)
+        series = self._series
+        if series is None:  # looked up until found: the app's state is a Python __getattr__ per read
+            recorder: RequestRecorder | None = getattr(self._state, "request_recorder", None)
+            if recorder is None or self.template is None:
+                return
+            series = self._series = recorder.series(self.method, self.template, 200)
+        series.add(seconds, 0, sent)
 
 
 class GetLane(ReadLane):
@@ -106,7 +109,7 @@ class GetLane(ReadLane):
         if fd is None:
             return None
         self.served += 1
-        lines = encoded_meta_headers(meta.digest) + b"content-length: %d\r\n" % meta.size + _TYPE
+        lines = encoded_meta_headers(meta.digest, meta.size) + _TYPE
         return lines, fd, meta.size
 
     def record(self, seconds: float, size: int) -> None:

@@ -90,7 +90,7 @@ class HeadLane(ReadLane):
         service, _, meta = found
         service.counters.hits += 1
         self.served += 1
-        return encoded_meta_headers(meta.digest) + b"content-length: %d\r\n" % meta.size
+        return encoded_meta_headers(meta.digest, meta.size)
 
     def record(self, seconds: float) -> None:
         self._record(seconds, 0)

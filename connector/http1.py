@@ -1,4 +1,4 @@
-"""A lean HTTP/1.1 client for the request the connector makes most: a block's PUT.
+"""A lean HTTP/1.1 client for the requests the connector makes most: a block's PUT and GET.
 
 Through aiohttp a PUT costs the inference node ~0.25 ms of CPU besides its body (the URL joined and parsed by
 yarl, the request and response objects, their timers, the payload writer): a quarter of a 2 MiB block's whole
@@ -6,7 +6,8 @@ store, most of a 64 KiB one's. The answer to a PUT is a status, a few header lin
 so none of that is needed: this pool keeps keep-alive connections as plain asyncio protocols, writes the request's
 head as one bytes object and the body as the caller's buffer (two writes: the gateway's PUT lane takes a body that
 follows its head, and the buffer is not copied unless the socket takes only part of it), and parses the answer
-with httptools (C, llhttp: the parser uvicorn uses).
+with httptools (C, llhttp: the parser uvicorn uses). A GET's body is received straight into the engine's buffer
+(:class:`_Connection`), and never again once its request has failed.
 
 What it does not do is left to aiohttp, which :class:`connector.client.BlockClient` keeps for every other request:
 a base URL with a path or a query, a key with characters that would need quoting, proxies. Errors surface as
@@ -205,12 +206,18 @@ class _Connection(asyncio.BufferedProtocol):
 
     def close(self) -> None:
         self.closed = True
+        # nothing more goes into a caller's buffer: its request failed, and the buffer may be another load's next
+        # (asyncio's TLS transport still hands the protocol what it decrypts while its close flushes)
+        self._target = None
+        self._target_for = None
+        self._direct_end = -1
         if self.transport is not None:
             self.transport.close()
 
 
 class LeanPool:
-    """Keep-alive connections to one gateway for PUTs, at most ``limit`` at once. On the client's loop only."""
+    """Keep-alive connections to one gateway for block PUTs and GETs, at most ``limit`` at once. On the client's
+    loop only."""
 
     def __init__(
         self,

@@ -18,6 +18,7 @@ import pytest
 
 from connector.checksums import checksum
 from connector.client import BlockClient, ClientConfig, GatewayUnavailable
+from connector.http1 import _Connection
 from tests.conftest import key_for, random_bytes
 from tests.gateway import REPO, Gateway
 
@@ -321,3 +322,39 @@ def test_bytes_after_a_body_do_not_go_into_the_buffer(raw: RawServer) -> None:
         assert bc.run(bc.get_into(key_for(2), view), timeout_s=10)
         assert bc.stats.retries == 0
     assert raw.connections == 2
+
+
+class _Sink(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed = False
+
+    def write(self, data: object) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_failed_load_writes_nothing_more_into_the_buffer() -> None:
+    """Once a request has failed (a timeout, a cancel) its connection receives nothing more into the caller's
+    buffer, which may already be another load's: asyncio's TLS transport hands the protocol what it decrypts while
+    its close flushes, after the caller was told."""
+    loop = asyncio.new_event_loop()
+    try:
+        conn = _Connection()
+        conn.connection_made(_Sink())
+        target = bytearray(100)
+        conn.send(b"GET /v1/blocks/x HTTP/1.1\r\n\r\n", memoryview(b""), loop, lambda status: memoryview(target))
+        head = b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n" + b"a" * 10
+        conn.get_buffer(-1)[: len(head)] = head
+        conn.buffer_updated(len(head))
+        assert target[:10] == b"a" * 10 and conn.get_buffer(-1).obj is target  # the body's rest: straight in
+        conn.close()
+        late = conn.get_buffer(-1)
+        assert late.obj is not target
+        late[:20] = b"b" * 20
+        conn.buffer_updated(20)
+        assert target == b"a" * 10 + bytes(90)
+    finally:
+        loop.close()

@@ -106,8 +106,10 @@ def _execute(drv: Any, block: Any) -> tuple[str, str]:
     """Try it out, Execute, and the status and body the page shows."""
     from selenium.webdriver.common.by import By
 
-    tries = block.find_elements(By.CSS_SELECTOR, ".try-out__btn")
-    if tries and "cancel" not in (tries[0].get_attribute("class") or ""):
+    # the operation's body renders a moment after its summary is clicked: wait for its Try it out button (looked
+    # for at once, it was sometimes not there yet, never clicked, and Execute never came: 1 run in 2 here)
+    tries = _wait(drv, lambda d: block.find_elements(By.CSS_SELECTOR, ".try-out__btn") or False)
+    if "cancel" not in (tries[0].get_attribute("class") or ""):
         tries[0].click()
     _wait(drv, lambda d: block.find_element(By.CSS_SELECTOR, "button.execute")).click()
     status = _wait(

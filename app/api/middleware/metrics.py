@@ -56,6 +56,8 @@ class RequestRecorder(Collector):
     def __init__(self) -> None:
         self._requests: dict[tuple[str, str, int], list[float]] = {}
         """(method, route, status) -> [count, created]"""
+        self._series: dict[tuple[str, str, int], Series] = {}
+        """(method, route, status) -> its Series, over its lists in ``_requests`` and ``_latency``"""
         self._latency: dict[tuple[str, str], list[float]] = {}
         """(method, route) -> [count in each bucket (not cumulative; +Inf last), sum, created]"""
         self.bytes_in = 0
@@ -66,15 +68,17 @@ class RequestRecorder(Collector):
         self.series(method, template, status).add(seconds, received, sent)
 
     def series(self, method: str, template: str, status: int) -> Series:
-        """The series a request of these labels is counted in (made when new): the lanes, which answer the same
-        labels again and again, keep it and :meth:`Series.add` to it (no label tuples, no dict look-ups)."""
-        counted = self._requests.get((method, template, status))
-        if counted is None:
-            counted = self._requests[(method, template, status)] = [0, time.time()]
+        """The series a request of these labels is counted in (made once, then kept): the lanes, which answer the
+        same labels again and again, keep it too and :meth:`Series.add` to it (no label tuple, no look-up)."""
+        found = self._series.get((method, template, status))
+        if found is not None:
+            return found
+        counted = self._requests[(method, template, status)] = [0, time.time()]
         timed = self._latency.get((method, template))
         if timed is None:
             timed = self._latency[(method, template)] = [0] * (len(LATENCY_BUCKETS) + 1) + [0.0, time.time()]
-        return Series(self, counted, timed)
+        found = self._series[(method, template, status)] = Series(self, counted, timed)
+        return found
 
     def collect(self) -> Iterator[Metric]:
         requests = CounterMetricFamily("kvgate_requests", "HTTP requests", labels=["method", "route", "status"])

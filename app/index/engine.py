@@ -82,6 +82,16 @@ def _sqlite_events(engine: Engine, *, synchronous: str, busy_timeout_s: float, m
         conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
 
+SQLITE_BUSY = 5
+
+
+def is_busy(exc: BaseException) -> bool:
+    """Whether ``exc`` is SQLite's "database is locked" (another connection holds the lock; any extended code)."""
+    orig = exc.orig if isinstance(exc, DBAPIError) else exc
+    code = getattr(orig, "sqlite_errorcode", None)
+    return isinstance(code, int) and code & 0xFF == SQLITE_BUSY
+
+
 async def guard(coro: Awaitable[T], what: str) -> T:
     try:
         return await coro

@@ -213,7 +213,7 @@ class EventLogOps(GroupCommit):
                 conn.execute(text("SELECT pg_current_xact_id()"))  # the transaction's id before the row's
             self._log(conn, kind=RELEASE, key=key, size=0, digest="", note=LogNote(token=token))
 
-        await self._write(run)
+        await self._write(run, point=True)
 
     # -- the publisher's reads ----------------------------------------------------------------------------------
 

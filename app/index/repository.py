@@ -91,7 +91,7 @@ class Index(Scans, EventLogOps):
         await guard(probe(), "check")
         # Reads can work while writes cannot (a SQLite file write-locked by another process): probe a write too,
         # through the group-commit task, so readiness also says that task is alive.
-        await self._write(lambda conn: conn.execute(delete(Namespace).where(false())))
+        await self._write(lambda conn: conn.execute(delete(Namespace).where(false())), point=True)
 
     # -- blocks ----------------------------------------------------------------------------------------------
 
@@ -149,7 +149,7 @@ class Index(Scans, EventLogOps):
             self._log_stored(conn, record=record, swap=swap, note=note)
             return swap
 
-        swap: Swap = await self._write(run)
+        swap: Swap = await self._write(run, point=True)
         return swap
 
     async def remove_block(self, key: str, *, expect: Expect = ANY) -> BlockRecord | None:
@@ -166,7 +166,7 @@ class Index(Scans, EventLogOps):
             return current
 
         self._access.pop(key, None)
-        removed: BlockRecord | None = await self._write(run)
+        removed: BlockRecord | None = await self._write(run, point=True)
         return removed
 
     @functools.cached_property
@@ -244,7 +244,7 @@ class Index(Scans, EventLogOps):
         (the evictor reads last_access right after: a flush still in the writer's queue would not count)."""
         if not self._access:
             if self._flushing:
-                await self._write(lambda conn: None)  # the writer's queue is in order: behind the flush under way
+                await self._write(lambda conn: None, point=True)  # the queue is in order: behind the flush under way
             return
         pending, self._access = self._access, {}
         self._flushing += 1

@@ -1,8 +1,16 @@
 """The index's one writer: a group-commit task. Concurrent writes share a transaction, and each caller returns only
 after the transaction holding its change has committed; a failing change is retried alone, so the rest commit.
 
-On SQLite the transaction runs whole on the writer thread through the blocking twin engine (one hop off the event
-loop, not one per statement); hot point reads run on reader threads the same way (``_read``).
+On SQLite a transaction of point writes (a block's swap or removal: a few statements on indexed pages, each some
+microseconds) runs its statements on the event loop and hands only its COMMIT, which writes and syncs the WAL, to a
+thread of its own. A thread that runs SQL takes the GIL back after every statement, and each take while the loop
+runs Python is a futex wait and a context switch on both threads: with the whole transaction on the writer thread
+a 64 KiB PUT spent ~75 us of CPU in futex calls and another ~30 us more in the interpreter; with the COMMIT alone
+there, ~35 and ~0 (``python -m benchmarks.cost --ops put --sizes 65536``: 0.83x the server CPU of a PUT). The
+loop's BEGIN IMMEDIATE does not wait: when another process holds the write lock (a second worker, ``kvgate gc``),
+the batch runs whole on the writer thread, which waits for it. Other writes (access times, scans, the event log's
+upkeep: many rows) run whole on the writer thread through the blocking twin engine, one hop off the loop; hot point
+reads run on reader threads the same way (``_read``).
 """
 
 from __future__ import annotations
@@ -18,11 +26,15 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.errors import IndexUnavailable
-from app.index.engine import WRITE_OPTION, blocking_twin, guard
+from app.index.engine import WRITE_OPTION, blocking_twin, guard, is_busy
+from app.threads import Threads
 
 SyncOp = Callable[[Connection], Any]
 T = TypeVar("T")
 READER_THREADS = 4
+INLINE_MAX = 64
+"""At most this many point writes run their statements on the loop in one transaction; a longer batch (a burst past
+this many changes at once) runs whole on the writer thread, so that the loop never holds its SQL for long."""
 EXCLUSIVE = {"evict": 0x6B76_6761_7465_01, "events": 0x6B76_6761_7465_02}
 """PostgreSQL advisory lock keys of the named exclusive sections (``GroupCommit.exclusive``)."""
 
@@ -32,17 +44,23 @@ class GroupCommit:
         self.engine = engine
         self._dialect = engine.dialect.name
         self._max_batch = max_batch
-        self._queue: asyncio.Queue[tuple[SyncOp, asyncio.Future[Any]]] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[SyncOp, asyncio.Future[Any], bool]] = asyncio.Queue()
         self._twin = blocking_twin(engine)
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvgate-index-writer")
         self._held: Connection | None = None
         """The writer thread's connection (SQLite), used only on that thread."""
+        self._loop_held: Connection | None = None
+        """The loop's write connection (SQLite): its BEGIN does not wait for the lock; its COMMIT runs on
+        ``_committer``, one transaction at a time."""
+        self._committer = Threads(max_threads=1, name="kvgate-index-commit")
         self._readers = concurrent.futures.ThreadPoolExecutor(READER_THREADS, thread_name_prefix="kvgate-index-read")
 
     def close_threads(self) -> None:
         """Let the writer and reader threads end, and close the blocking engine's connections."""
         with contextlib.suppress(RuntimeError):  # already shut down
             self._writer.submit(self._release).result()
+        self._drop_loop_held()
+        self._committer.close()
         self._writer.shutdown(wait=True)
         self._readers.shutdown(wait=True)
         if self._twin is not None:
@@ -65,9 +83,11 @@ class GroupCommit:
 
         return await guard(asyncio.get_running_loop().run_in_executor(self._readers, blocking), what)
 
-    async def _write(self, op: SyncOp) -> Any:
+    async def _write(self, op: SyncOp, *, point: bool = False) -> Any:
+        """``op(conn)`` in a group-committed transaction; ``point``: a few statements on indexed rows, which may
+        run on the event loop (SQLite; see the module docstring)."""
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait((op, fut))
+        self._queue.put_nowait((op, fut, point))
         return await fut
 
     async def _commit_loop(self) -> None:
@@ -77,14 +97,17 @@ class GroupCommit:
                 batch.append(self._queue.get_nowait())
             await self._commit(batch)
 
-    async def _commit(self, batch: list[tuple[SyncOp, asyncio.Future[Any]]]) -> None:
+    async def _commit(self, batch: list[tuple[SyncOp, asyncio.Future[Any], bool]]) -> None:
         def run_all(conn: Connection) -> list[Any]:
-            return [op(conn) for op, _ in batch]
+            return [op(conn) for op, _, _ in batch]
 
         try:
-            if self._twin is not None:
+            results: list[Any] | None = None
+            if self._twin is not None and len(batch) <= INLINE_MAX and all(point for _, _, point in batch):
+                results = await self._on_loop(run_all)
+            if results is None and self._twin is not None:
                 results = await asyncio.get_running_loop().run_in_executor(self._writer, self._blocking, run_all)
-            else:
+            elif results is None:
                 async with self.engine.connect() as conn:
                     await conn.execution_options(**{WRITE_OPTION: True})
                     async with conn.begin():
@@ -96,13 +119,62 @@ class GroupCommit:
                 return
             err = IndexUnavailable(f"index write failed: {type(exc).__name__}: {exc}")
             err.__cause__ = exc
-            _, fut = batch[0]
+            _, fut, _ = batch[0]
             if not fut.done():
                 fut.set_exception(err)
             return
-        for (_, fut), result in zip(batch, results, strict=True):
+        for (_, fut, _), result in zip(batch, results, strict=True):
             if not fut.done():
                 fut.set_result(result)
+
+    async def _on_loop(self, run_all: Callable[[Connection], list[Any]]) -> list[Any] | None:
+        """One transaction whose statements run here, on the loop, and whose COMMIT runs on ``_committer``; None
+        when another connection holds the write lock (nothing was done: the caller runs it on the writer thread,
+        which waits for the lock). A transaction that fails otherwise closes the connection, as ``_blocking``."""
+        conn = self._loop_held
+        if conn is None:
+            assert self._twin is not None
+            conn = self._twin.connect().execution_options(**{WRITE_OPTION: True})
+            driver = conn.connection.dbapi_connection
+            assert driver is not None
+            driver.execute("PRAGMA busy_timeout=0")  # the driver's own: no transaction is begun for it
+            self._loop_held = conn
+        try:
+            trans = conn.begin()  # BEGIN IMMEDIATE, not waiting for the lock
+        except Exception as exc:
+            if is_busy(exc):
+                return None
+            self._drop_loop_held()
+            raise
+        try:
+            results = run_all(conn)
+            driver = conn.connection.dbapi_connection
+            assert driver is not None
+            await self._committer.run(driver.commit)  # the WAL's write and sync, off the loop
+            trans.commit()  # SQLAlchemy's account of it: the driver has no transaction left, its commit does nothing
+        except BaseException as exc:
+            if not (is_busy(exc) and self._rolled_back(trans)):
+                self._drop_loop_held()
+                raise
+            return None  # a statement met another process's lock: rolled back, run it on the writer thread
+        return results
+
+    @staticmethod
+    def _rolled_back(trans: Any) -> bool:
+        try:
+            trans.rollback()
+        except Exception:
+            return False
+        return True
+
+    def _drop_loop_held(self) -> None:
+        """Close the loop's write connection for good (it does not wait for locks, unlike the pool's others)."""
+        conn, self._loop_held = self._loop_held, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.invalidate()
+            with contextlib.suppress(Exception):
+                conn.close()
 
     def _blocking(self, run_all: Callable[[Connection], list[Any]]) -> list[Any]:
         """One transaction on the writer thread's own connection, kept from one transaction to the next: a pool

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, Self
 
@@ -329,6 +329,50 @@ class BodyChecker:
         if self.expected is not None and found != self.expected:
             raise DigestMismatch(f"body {found.algorithm} is {found.hex}, the request said {self.expected.hex}")
         return Version(size=self.size, digest=found.token, chunks=Chunks(self._chunk, bytes(self._sums)))
+
+
+class BodyPieces(list[bytes]):
+    """A body all in memory (the PUT lane's, as it arrived): an ``AsyncIterable`` of its pieces like any body, which a
+    store may also take whole (``groups``), without an async generator per body."""
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return _Pieces(iter(self))
+
+    def groups(self, *, chunk_bytes: int, max_pieces: int = 512) -> list[list[bytes]]:
+        """The non-empty pieces in lists of at least ``chunk_bytes`` (at most ``max_pieces``; the last may be less,
+        and an empty body is one empty list), as ``batched`` groups a stream."""
+        if len(self) <= max_pieces and sum(map(len, self)) < chunk_bytes:
+            return [self]
+        out: list[list[bytes]] = []
+        group: list[bytes] = []
+        held = 0
+        for piece in self:
+            if not piece:
+                continue
+            group.append(piece)
+            held += len(piece)
+            if held >= chunk_bytes or len(group) >= max_pieces:
+                out.append(group)
+                group, held = [], 0
+        if group or not out:
+            out.append(group)
+        return out
+
+
+class _Pieces:
+    __slots__ = ("_it",)
+
+    def __init__(self, it: Iterator[bytes]) -> None:
+        self._it = it
+
+    def __aiter__(self) -> _Pieces:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            return next(self._it)
+        except StopIteration:
+            raise StopAsyncIteration from None
 
 
 async def coalesce(body: AsyncIterable[bytes], *, chunk_bytes: int) -> AsyncIterator[bytes]:

@@ -28,6 +28,7 @@ from app.errors import BackendUnavailable, BlockNotFound, DigestMismatch, Invali
 from app.storage.base import (
     BlockStore,
     BodyChecker,
+    BodyPieces,
     ClosingReader,
     Leftover,
     ObjectInfo,
@@ -204,6 +205,12 @@ class FilesystemStore(BlockStore):
             return Staged(key=key, meta=meta, stamp=stamp, handle=_Temp(tmp, fd))
 
         try:
+            if isinstance(body, BodyPieces):  # all here already (the PUT lane): no generator to step through
+                groups = body.groups(chunk_bytes=self._chunk)
+                for i, pieces in enumerate(groups, 1):
+                    staged = await io(step, pieces, i == len(groups), what="write", inline=inline)
+                assert staged is not None
+                return staged
             batches = aiter(batched(body, chunk_bytes=self._chunk))
             pending = await anext(batches, None)
             while True:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +39,7 @@ from app.api.middleware.metrics import RequestRecorder, route_template
 from app.api.middleware.principals import Principals
 from app.api.routes.thin import find_exception_handler
 from app.core.events_meta import WriterMeta, parse_meta_header, writer_meta
+from app.storage.base import BodyPieces
 from contract import wire
 from contract.keys import BlockKey, InvalidKey, parse_block_key
 from contract.wire import BLOCK_META_HEADER, CHECKSUM_HEADER, DIGEST_HEADER
@@ -163,7 +163,7 @@ class PutLane:
                 writer_meta.set(put.meta)  # this task's own context
             try:
                 result = await self._service.put(
-                    put.key, _iterate(chunks), size=put.size, digest=put.digest, create_only=put.create_only
+                    put.key, BodyPieces(chunks), size=put.size, digest=put.digest, create_only=put.create_only
                 )
             except Exception as exc:
                 return await self._error(put, exc)
@@ -212,8 +212,3 @@ def lane_service(lane: Any) -> Any:
 
 def _json(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
-
-
-async def _iterate(chunks: list[bytes]) -> AsyncIterator[bytes]:
-    for chunk in chunks:
-        yield chunk

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -72,18 +73,21 @@ async def test_migration_creates_schema(index_url: str) -> None:
 
 
 async def test_concurrent_migrations(index_url: str) -> None:
-    """Replicas (processes) starting together all migrate the same empty PostgreSQL database."""
-    if not index_url.startswith("postgresql"):
-        pytest.skip("SQLite is one gateway's own file")
-    script = "import asyncio, sys; from app.index.migrate import upgrade_head; asyncio.run(upgrade_head(sys.argv[1]))"
+    """Processes starting together all migrate the same empty database: replicas on PostgreSQL, the workers of
+    ``kvgate serve --workers N`` on a new SQLite file (all but one failed with "table ... already exists")."""
+    script = (
+        "import asyncio, sys, time; from app.index.migrate import upgrade_head; "
+        "time.sleep(max(0.0, float(sys.argv[2]) - time.time())); asyncio.run(upgrade_head(sys.argv[1]))"
+    )
+    start_at = str(time.time() + 3.0)  # all at once, past every interpreter's start-up
     procs = [
         await asyncio.create_subprocess_exec(
-            sys.executable, "-c", script, index_url, cwd=REPO, stderr=asyncio.subprocess.PIPE
+            sys.executable, "-c", script, index_url, start_at, cwd=REPO, stderr=asyncio.subprocess.PIPE
         )
-        for _ in range(3)
+        for _ in range(6)
     ]
     results = [(await p.wait(), (await p.stderr.read()).decode()[-2000:]) for p in procs if p.stderr]
-    assert [rc for rc, _ in results] == [0] * 3, results
+    assert [rc for rc, _ in results] == [0] * 6, results
     engine = make_engine(index_url)
     try:
         async with engine.connect() as conn:

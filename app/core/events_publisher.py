@@ -114,6 +114,12 @@ class Publisher:
         self._since = dict.fromkeys(self._tokens, time.monotonic())
         for key in self._tokens.values():
             self._order.begin(key)
+        models = self.models
+        if models is not None and self.topics is not None and self.topics.needs_model:
+            # Every configured namespace's model name, now: a row is encoded after its change committed, and a purge
+            # removes the config right after its blocks' rows, so a publisher that first met the namespace in those
+            # rows found no config and sent them under another topic (the router kept the blocks).
+            await models.load(n for n in await self._index.namespace_names() if not models.known(n))
         if state.held:
             rows = await self._index.event_rows_by_id(state.held)
             for row_id in sorted(rows):

@@ -204,8 +204,9 @@ class ModelNames:
     """Namespace -> the run's model name from its config (``model_name``), for ``{model}`` in the topic.
 
     Looked up once per namespace (the name is part of the namespace's digest, so it never changes) and kept, up to
-    ``entries`` namespaces. A namespace without a config gets the model part of its name until :meth:`learn` is told
-    its config (the PUT of a config is)."""
+    ``entries`` namespaces: every configured one when a publisher takes its turn, others when their rows first come.
+    A namespace without a config gets the model part of its name until :meth:`learn` is told its config (the PUT of a
+    config is)."""
 
     def __init__(self, lookup: Callable[[str], Awaitable[str | None]], *, entries: int = 4096) -> None:
         self._lookup = lookup

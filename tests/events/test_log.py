@@ -13,6 +13,7 @@ from sqlalchemy import text
 
 from app.core.events import Batch
 from app.core.events_publisher import LostTurn, Publisher
+from app.core.events_wire import ModelNames, Topics
 from app.index import ABSENT, Index, LogNote
 from app.index.eventlog import STORED, Horizon, Snapshot
 from tests.conftest import key_for
@@ -88,6 +89,31 @@ async def test_numbers_go_on_across_publishers_and_a_stale_one_writes_nothing(in
     assert second.keys() == [("stored", key_for(3))]
     state = await index.event_state()
     assert state is not None and (state.next_seq, state.last_id) == (FIRST_SEQ + 4, 4)
+
+
+async def test_a_purge_s_rows_go_under_the_model_s_topic_when_the_publisher_first_meets_them(index: Index) -> None:
+    """A publisher that takes its turn (a restart) and first meets a namespace in the rows of its purge, read after
+    the purge removed the config, still names the model in their topic: it learned every configured namespace's
+    model when it took its turn (they went out under the namespace's own name, and a router kept the blocks)."""
+    key = key_for(1)
+    namespace = key.split("_r0/")[0]
+    await index.put_namespace(name=namespace, fields={"model_name": "org/model-x"})
+    await index.swap_block(record(key))
+
+    async def model_name(ns: str) -> str | None:
+        found = await index.get_namespace(ns)
+        name = found.fields.get("model_name") if found is not None else None
+        return name if isinstance(name, str) else None
+
+    sent = Sent()
+    topics = Topics()
+    publisher = Publisher(index=index, topics=topics, models=ModelNames(model_name), sinks=[sent])
+    await publisher.resume()
+    await index.remove_block(key)  # the purge: the blocks' rows, then the config
+    await index.delete_namespace(namespace)
+    assert await publisher.round() == 1
+    assert sent.keys() == [("stored", key), ("removed", key)]
+    assert [b.topic for b in sent.batches] == [topics.render(namespace=namespace, model="org/model-x")]
 
 
 async def test_held_rows_wait_for_the_puts_of_their_parent_across_a_restart(index: Index) -> None:

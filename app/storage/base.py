@@ -333,30 +333,10 @@ class BodyChecker:
 
 class BodyPieces(list[bytes]):
     """A body all in memory (the PUT lane's, as it arrived): an ``AsyncIterable`` of its pieces like any body, which a
-    store may also take whole (``groups``), without an async generator per body."""
+    store may also take whole (the filesystem's ``grouped``), without an async generator per body."""
 
     def __aiter__(self) -> AsyncIterator[bytes]:
         return _Pieces(iter(self))
-
-    def groups(self, *, chunk_bytes: int, max_pieces: int = 512) -> list[list[bytes]]:
-        """The non-empty pieces in lists of at least ``chunk_bytes`` (at most ``max_pieces``; the last may be less,
-        and an empty body is one empty list), as ``batched`` groups a stream."""
-        if len(self) <= max_pieces and sum(map(len, self)) < chunk_bytes:
-            return [self]
-        out: list[list[bytes]] = []
-        group: list[bytes] = []
-        held = 0
-        for piece in self:
-            if not piece:
-                continue
-            group.append(piece)
-            held += len(piece)
-            if held >= chunk_bytes or len(group) >= max_pieces:
-                out.append(group)
-                group, held = [], 0
-        if group or not out:
-            out.append(group)
-        return out
 
 
 class _Pieces:

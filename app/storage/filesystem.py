@@ -44,6 +44,7 @@ from app.storage.fs_files import (
     drop_unlocked,
     find_leftovers,
     fsync_dir,
+    grouped,
     hash_file,
     id_of,
     io,
@@ -206,7 +207,7 @@ class FilesystemStore(BlockStore):
 
         try:
             if isinstance(body, BodyPieces):  # all here already (the PUT lane): no generator to step through
-                groups = body.groups(chunk_bytes=self._chunk)
+                groups = grouped(body, chunk_bytes=self._chunk)
                 for i, pieces in enumerate(groups, 1):
                     staged = await io(step, pieces, i == len(groups), what="write", inline=inline)
                 assert staged is not None

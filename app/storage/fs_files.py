@@ -250,8 +250,36 @@ def link_or_copy(src: Path, dst: Path) -> bool:
     return False
 
 
-async def batched(body: AsyncIterable[bytes], *, chunk_bytes: int, max_pieces: int = 512) -> AsyncIterator[list[bytes]]:
-    """Group network chunks into lists of at least ``chunk_bytes`` (at most ``max_pieces``, under IOV_MAX)."""
+MAX_PIECES = 512
+"""Pieces of one writev at most (under IOV_MAX)."""
+
+
+def grouped(body: list[bytes], *, chunk_bytes: int, max_pieces: int = MAX_PIECES) -> list[list[bytes]]:
+    """``batched`` of a body all in memory, as lists (an empty body is one empty list); a body under one chunk is
+    taken as it is (an empty piece may stay in it)."""
+    if len(body) <= max_pieces and sum(map(len, body)) < chunk_bytes:
+        return [body]
+    out: list[list[bytes]] = []
+    pieces: list[bytes] = []
+    held = 0
+    for piece in body:
+        if not piece:
+            continue
+        pieces.append(piece)
+        held += len(piece)
+        if held >= chunk_bytes or len(pieces) >= max_pieces:
+            out.append(pieces)
+            pieces, held = [], 0
+    if pieces or not out:
+        out.append(pieces)
+    return out
+
+
+async def batched(
+    body: AsyncIterable[bytes], *, chunk_bytes: int, max_pieces: int = MAX_PIECES
+) -> AsyncIterator[list[bytes]]:
+    """Group network chunks into lists of at least ``chunk_bytes`` (at most ``max_pieces``); ``grouped`` is the same
+    for a body all in memory."""
     pieces: list[bytes] = []
     held = 0
     async for piece in body:

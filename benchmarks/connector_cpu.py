@@ -9,24 +9,33 @@ load path, where both clients have it), and reads the benchmark process's own CP
 phase (the client's event-loop thread and the threads it hashes on; the gateway is another process). Prints each
 phase's CPU per GB (median of the rounds, with the lowest and highest) and the ratio of the two clients, round by
 round. The earlier client is its own source at ``--base`` (``git show``), run beside this tree's other modules.
+
+Each round also stores ``--blocks`` blocks with :class:`FloorClient` (the same checksum and bytes on blocking
+sockets, nothing else), printed as ``store, floor``: how much of a store is the kernel's and the checksum's, which
+no client can cut, and so how far the connector's store could still fall.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import resource
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import types
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
 from connector import client as this_client
+from connector.checksums import checksum
+from contract.wire import CHECKSUM_HEADER
 from tests.conftest import key_for
 from tests.gateway import REPO, Gateway
 
@@ -99,6 +108,69 @@ def round_of(bc: Any, keys: list[str], blob: bytes) -> dict[str, float]:
     return out
 
 
+class FloorClient:
+    """The least a client can spend on a store: the same CRC64NVME, a request head and the body written with
+    ``sendall`` on a blocking socket (one thread per connection), the answer read to its Content-Length. No pool, no
+    event loop, no retries, no parser: what is left of a store above it is the client's own; below it, the kernel's
+    send of the body (on loopback, also the receiving side's TCP work, done on the sender's CPU) and the checksum."""
+
+    def __init__(self, url: str, connections: int = 8) -> None:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        self.socks = [socket.create_connection((host, int(port))) for _ in range(connections)]
+        for s in self.socks:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def _put(self, sock: socket.socket, key: str, blob: bytes) -> None:
+        head = (
+            f"PUT /v1/blocks/{key} HTTP/1.1\r\nHost: kvgate\r\nContent-Type: application/octet-stream\r\n"
+            f"{CHECKSUM_HEADER}: {checksum(blob).header}\r\nContent-Length: {len(blob)}\r\n\r\n"
+        )
+        sock.sendall(head.encode())
+        sock.sendall(blob)
+        got = b""
+        while b"\r\n\r\n" not in got:
+            got += self._recv(sock)
+        lines, _, body = got.partition(b"\r\n\r\n")
+        status = lines.split(b" ", 2)[1]
+        length = next(
+            int(v) for k, _, v in (ln.partition(b":") for ln in lines.split(b"\r\n")) if k.lower() == b"content-length"
+        )
+        while len(body) < length:
+            body += self._recv(sock)
+        assert status in (b"200", b"201"), lines
+
+    @staticmethod
+    def _recv(sock: socket.socket) -> bytes:
+        got = sock.recv(65536)
+        if not got:
+            raise ConnectionError("the gateway closed the connection before its answer ended")
+        return got
+
+    def store(self, keys: list[str], blob: bytes) -> None:
+        n = len(self.socks)
+
+        failed: list[BaseException] = []
+
+        def share(i: int) -> None:
+            try:
+                for key in keys[i::n]:
+                    self._put(self.socks[i], key, blob)
+            except BaseException as exc:  # surfaces below, not in the thread's own report
+                failed.append(exc)
+
+        threads = [threading.Thread(target=share, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if failed:
+            raise failed[0]
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", default=BASE, help="the commit whose client is the baseline")
@@ -115,14 +187,19 @@ def main() -> None:
                 "before": earlier.BlockClient(earlier.ClientConfig(base_url=gw.url, max_connections=8)),
                 "after": this_client.BlockClient(this_client.ClientConfig(base_url=gw.url, max_connections=8)),
             }
+            floor = FloorClient(gw.url)
             figures: dict[str, list[dict[str, float]]] = {name: [] for name in clients}
+            floors: list[float] = []
             for r in range(args.rounds):
                 for name, bc in clients.items():
                     keys = [key_for(10_000 * r + i + (0 if name == "before" else 5_000)) for i in range(args.blocks)]
                     figures[name].append(round_of(bc, keys, blob))
+                keys = [key_for(10_000 * r + i + 2_500) for i in range(args.blocks)]
+                floors.append(sum(cpu_of(functools.partial(floor.store, keys, blob))) / (len(keys) * len(blob) / 1e9))
                 print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
             for bc in clients.values():
                 bc.close()
+            floor.close()
         finally:
             gw.stop()
     print(f"connector CPU per GB ({args.blocks} x {args.block_mib:g} MiB blocks, {args.rounds} rounds; load average")
@@ -143,6 +220,9 @@ def main() -> None:
             return f"{statistics.median(v):{fmt}} ({min(v):{fmt}}-{max(v):{fmt}})"
 
         print(f"{phase:<18} {cell(b):>22} {cell(a):>22} {cell(ratio, '.2f'):>22}")
+        if phase == "store":
+            ratio = [x / y for x, y in zip(floors, b, strict=True)]
+            print(f"{'store, floor':<18} {'':>22} {cell(floors):>22} {cell(ratio, '.2f'):>22}")
 
 
 if __name__ == "__main__":

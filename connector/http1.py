@@ -4,9 +4,10 @@ Through aiohttp a PUT costs the inference node ~0.25 ms of CPU besides its body 
 yarl, the request and response objects, their timers, the payload writer): a quarter of a 2 MiB block's whole
 store, most of a 64 KiB one's. The answer to a PUT is a status, a few header lines and at most a short error text,
 so none of that is needed: this pool keeps keep-alive connections as plain asyncio protocols, writes the request's
-head as one bytes object and the body as the caller's buffer (two writes: the gateway's PUT lane takes a body that
-follows its head, and the buffer is not copied unless the socket takes only part of it), and parses the answer
-with httptools (C, llhttp: the parser uvicorn uses). A GET's body is received straight into the engine's buffer
+head as one bytes object and the body as the caller's buffer, both in one ``writev`` on a plain connection (one
+system call and one segment where there were two, the body not copied; TLS, and whatever the socket does not take
+at once, go through the transport, which copies only that rest), and parses the answer with httptools (C, llhttp:
+the parser uvicorn uses). A GET's body is received straight into the engine's buffer
 (:class:`_Connection`), and never again once its request has failed.
 
 What it does not do is left to aiohttp, which :class:`connector.client.BlockClient` keeps for every other request:
@@ -20,6 +21,7 @@ is replaced at once, as a browser does: the request never reached a handler, so 
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import ssl
 from collections.abc import Callable
@@ -87,11 +89,16 @@ class _Connection(asyncio.BufferedProtocol):
         """While the body goes straight into the target: where it ends in it."""
         self._length = -1
         self._began = False
+        self._fd = -1
+        """The socket's descriptor, where head and body may go out in one ``writev`` (plain TCP; -1: TLS)."""
 
     # -- asyncio -------------------------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None and transport.get_extra_info("ssl_object") is None:
+            self._fd = sock.fileno()
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._direct_end >= 0:
@@ -120,6 +127,7 @@ class _Connection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._fd = -1  # the transport closes it next
         if self._waiter is not None and not self._waiter.done():
             lost = AnswerLost(
                 f"the connection ended before the answer did{f': {exc}' if exc else ''}",
@@ -186,9 +194,22 @@ class _Connection(asyncio.BufferedProtocol):
         self._began = False
         self.reusable = False
         waiter = self._waiter = loop.create_future()
-        self.transport.write(head)  # alone: the body follows as the caller's buffer, not joined to it
-        if body.nbytes:
-            self.transport.write(body)
+        sent = 0
+        if (
+            self._fd >= 0
+            and body.nbytes
+            and not self.transport.get_write_buffer_size()
+            and not self.transport.is_closing()
+        ):
+            try:  # head and body in one system call and one segment, the body not copied (nor joined to the head)
+                sent = os.writev(self._fd, (head, body))
+            except OSError:  # would block, or the connection broke: the transport's own write finds out and reports
+                sent = 0
+        if sent < len(head):
+            self.transport.write(head[sent:])
+            sent = len(head)
+        if sent - len(head) < body.nbytes:
+            self.transport.write(body[sent - len(head) :])  # the rest (the transport copies what the socket refuses)
         return waiter
 
     def _complete(self, body: bytes | int) -> None:
@@ -206,6 +227,7 @@ class _Connection(asyncio.BufferedProtocol):
 
     def close(self) -> None:
         self.closed = True
+        self._fd = -1
         # nothing more goes into a caller's buffer: its request failed, and the buffer may be another load's next
         # (asyncio's TLS transport still hands the protocol what it decrypts while its close flushes)
         self._target = None

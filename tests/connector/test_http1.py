@@ -142,6 +142,48 @@ def test_the_request_on_the_wire(raw: RawServer) -> None:
     assert raw.connections == 1  # kept alive between the two
 
 
+@pytest.mark.parametrize(
+    "takes",
+    [
+        pytest.param(None, id="all"),
+        pytest.param(0, id="would-block"),
+        pytest.param(10, id="part-of-the-head"),
+        pytest.param(-1, id="head-and-part-of-the-body"),
+    ],
+)
+def test_head_and_body_go_in_one_writev_and_any_rest_through_the_transport(
+    raw: RawServer, monkeypatch: pytest.MonkeyPatch, takes: int | None
+) -> None:
+    """On a plain connection a PUT's head and body leave in one ``writev`` (no copy, one segment), the body the
+    caller's buffer itself; what the socket does not take goes through the transport, in order: the server gets the
+    same bytes whatever the socket took."""
+    import os
+
+    real = os.writev  # (connector.http1.os is the os module: patched for everyone while the test runs)
+    calls: list[tuple[int, ...]] = []
+
+    def writev(fd: int, buffers: tuple[bytes, memoryview]) -> int:
+        calls.append(tuple(memoryview(b).nbytes for b in buffers))
+        head, body = buffers
+        if takes is None:
+            return real(fd, buffers)
+        if takes == 0:
+            raise BlockingIOError
+        if takes > 0:
+            return os.write(fd, head[:takes])
+        return real(fd, (head, body[: len(body) // 3]))
+
+    monkeypatch.setattr("connector.http1.os.writev", writev)
+    with client(raw.url) as bc:
+        for i in range(3):
+            assert bc.run(bc.put(key_for(i), DATA))
+        assert bc.stats.retries == 0
+    assert [body for _, body in raw.requests] == [DATA] * 3
+    assert [h.split(b" ")[1] for h, _ in raw.requests] == [f"/v1/blocks/{key_for(i)}".encode() for i in range(3)]
+    assert len(calls) == 3 and all(sizes[1] == len(DATA) for sizes in calls)
+    assert raw.connections == 1
+
+
 def test_an_answer_in_many_reads(raw: RawServer) -> None:
     raw.script = ["drip", "drip"]
     with client(raw.url) as bc:

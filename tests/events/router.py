@@ -57,6 +57,9 @@ class Router:
     """(model, engine hash as events carry it) -> the block's key (kept after a removal: it is knowledge)."""
     present: dict[str, set[bytes]] = field(default_factory=dict)
     parked: dict[tuple[str, int], list[dict[str, Any]]] = field(default_factory=dict)
+    history: dict[tuple[str, int], list[tuple[int, str]]] = field(default_factory=dict)
+    """(model, block hash) -> the (seq, event type) of every event that named it, in the order applied: what a
+    failed comparison prints for the block it disagrees on."""
     """Stores that came before their parent's, waiting for it (llm-d drops them)."""
     routed: list[Prompt] = field(default_factory=list)
     counts: dict[str, int] = field(
@@ -117,7 +120,7 @@ class Router:
             self.recover()
             if seq < self.expected:
                 return
-        self._apply(topic, payload)
+        self._apply(topic, payload, seq)
         self.expected = seq + 1
 
     def recover(self) -> None:
@@ -129,7 +132,7 @@ class Router:
         else:
             self.counts["replayed"] += len(batches)
         for topic, seq, payload in batches:
-            self._apply(topic, payload)
+            self._apply(topic, payload, seq)
             self.expected = seq + 1
 
     def _replay(self, start: int) -> list[tuple[str, int, bytes]]:
@@ -169,12 +172,14 @@ class Router:
 
     # -- the index -------------------------------------------------------------------------------------------------
 
-    def _apply(self, topic: str, payload: bytes) -> None:
+    def _apply(self, topic: str, payload: bytes, seq: int) -> None:
         model = topic.split("@", 2)[2]
         _ts, events, *_ = msgspec.msgpack.decode(payload)
         self.counts["batches"] += 1
         for event in events:
             self.counts["events"] += 1
+            for h in event["block_hashes"]:
+                self.history.setdefault((model, h), []).append((seq, event["type"]))
             if event["type"] == "BlockStored":
                 self._stored(model, event)
             elif event["type"] == "BlockRemoved":

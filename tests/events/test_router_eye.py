@@ -148,7 +148,12 @@ def test_router_index_from_events_equals_lookup(kind: str, tmp_path: Path, reque
                 assert resp.status_code == 200, resp.text
                 theirs = resp.json()["prefix"]
                 ours = router.longest_prefix(model, blocks)
-                assert ours == theirs, (name, model, len(blocks), ours, theirs, router.counts)
+                first_apart = p.hashes[min(ours, theirs)] if min(ours, theirs) < len(blocks) else None
+                history = first_apart and router.history.get((model, int.from_bytes(first_apart[-8:], "big")))
+                assert ours == theirs, (  # a string, not a tuple: pytest would cut the tuple's repr short
+                    f"{name}: {model}, {len(blocks)} blocks, router {ours}, lookup {theirs}; {dict(router.counts)}; "
+                    f"events (seq, type) of block {min(ours, theirs)}: {history}"
+                )
                 checked.append((name, ours, len(blocks)))
 
     try:

@@ -189,8 +189,7 @@ def main() -> None:
                 for name, module in (("before", earlier), ("after", this_client))
             }
             floor = FloorClient(gw.url)
-            figures: dict[str, list[dict[str, float]]] = {name: [] for name in clients}
-            floors: list[float] = []
+            figures: dict[str, list[dict[str, float]]] = {name: [] for name in (*clients, "floor")}
             into = bytearray(args.blocks * len(blob))  # the engine's buffers exist before a load: made outside its CPU
             into[:] = bytes(len(into))
             gb = args.blocks * len(blob) / 1e9
@@ -211,9 +210,8 @@ def main() -> None:
                             user, system = cpu_of(runs[phase])
                             out[name][phase] = (user + system) / gb
                             out[name][f"{phase}, user"] = user / gb
-                for name in clients:
-                    figures[name].append(out[name])
-                floors.append(out["floor"]["store"])
+                for name, got in out.items():
+                    figures[name].append(got)
                 print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
             for pair in clients.values():
                 for bc in pair:
@@ -240,6 +238,7 @@ def main() -> None:
 
         print(f"{phase:<18} {cell(b):>22} {cell(a):>22} {cell(ratio, '.2f'):>22}")
         if phase == "store":
+            floors = [f[phase] for f in figures["floor"]]
             ratio = [x / y for x, y in zip(floors, b, strict=True)]
             print(f"{'store, floor':<18} {'':>22} {cell(floors):>22} {cell(ratio, '.2f'):>22}")
 

@@ -12,10 +12,10 @@ runs rounds (``Publisher.round``):
 2. order: a row that waits for PUTs of its parent (in progress where it committed) is held until their rows come
    (``ParentFirst``, fed with the log), each key's rows keep the log's order; a wait longer than ``events_hold_s``
    (the writer died) ends;
-3. group what is ready into batches by topic (parents first within each), number them from the stored next number,
-   and store them with the new next number, the last row covered and the rows still held (with the PUTs they
-   wait for), in one transaction that
-   only commits if the term is still this publisher's;
+3. group what is ready into batches by topic (parents first within each; across topics a round goes topic by
+   topic, not in commit order), number them from the stored next number, and store them with the new next number,
+   the last row covered and the rows still held (with the PUTs they wait for), in one transaction that only commits
+   if the term is still this publisher's;
 4. send them (ZMQ PUB) and wake the local SSE streams.
 
 Any failure before 3 commits leaves nothing: the round is read again (``resume``: a new term, the state as stored).

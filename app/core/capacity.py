@@ -124,8 +124,11 @@ class Capacity:
 
     @property
     def evicting(self) -> bool:
-        """An eviction round of this process is in flight now."""
-        return self._lock.locked()
+        """An eviction round of this process, or of another process of this machine, is in flight now (a round
+        elsewhere holds the coordination file's ``evict`` lock; a replica's on another machine is not seen)."""
+        if self._lock.locked():
+            return True
+        return self._coordinator is not None and self._coordinator.held("evict")
 
     # -- policy ----------------------------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from app.core.coordination import open_coordinator
 from tests.capacity.helpers import block_files, index_rows
 from tests.conftest import crc, key_for, random_bytes
 from tests.unit.inprocess import Gateway, running, settings_for
@@ -132,3 +133,21 @@ async def test_usage_follows_deletes_and_replacements(gw: Gateway) -> None:
     stats = await gw.stats()
     assert (stats["blocks"], stats["usage_bytes"]) == (1, 300)
     assert (gw.capacity.usage.blocks, gw.capacity.usage.bytes) == (1, 300)
+
+
+async def test_stats_say_evicting_while_another_process_of_the_machine_evicts(tmp_path: Path) -> None:
+    """``evicting`` in /v1/stats is true while any process on this machine runs an eviction round (it holds the
+    coordination file's ``evict`` lock), not only this one: a worker that reads usage under the high mark while
+    another worker's round goes on to the low one is not settled."""
+    settings = settings_for(tmp_path, fs=True, max_bytes=20 * BLOCK)
+    async with running(settings) as gw:
+        assert (await gw.stats())["evicting"] is False
+        other = open_coordinator(settings.data_dir)  # another process's description of the same file
+        try:
+            fd = other.try_exclusive("evict")
+            assert fd is not None
+            assert (await gw.stats())["evicting"] is True
+            other.release_exclusive("evict", fd)
+            assert (await gw.stats())["evicting"] is False
+        finally:
+            other.close()

@@ -59,7 +59,8 @@ class Stats(BaseModel):
     evictions: int
     evicted_bytes: int
     evicting: bool = Field(
-        description="an eviction round is in flight: usage is still falling toward the low watermark"
+        description="an eviction round of a process of this machine is in flight (this one's or another worker's): "
+        "usage is still falling toward the low watermark"
     )
     uptime_s: float
 

@@ -8,17 +8,21 @@ not bind the PUB port, and each numbered from its own clock."""
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from tests.conftest import key_for
+from app.core.events_wire import MODEL_RETRY_S, Topics
+from contract.keys import namespace_for
+from tests.conftest import agnostic_fields, key_for
 from tests.events.helpers import (
     ZmqTap,
     events_env,
     events_gateway,
+    hello,
     joined,
     read_batches,
     run_gc,
@@ -227,3 +231,32 @@ class _Merged:
 
     def wait_through(self, seq: int) -> None:
         self.taps[0].wait(lambda _t: any(s >= seq for _x, s, _b in self.batches()))
+
+
+def test_a_config_stored_in_another_process_names_the_model_in_later_topics(tmp_path: Path) -> None:
+    """A namespace whose blocks came before its config (a TP>1 engine's other ranks store while rank 0's config PUT
+    is in flight) goes out under its own name; once its config is stored, in a process that does not publish, its
+    next events go out under the model's topic. Before, the publisher kept "no config" for good, and every later
+    event of that model went under the namespace's name, a topic no router keyed by model follows."""
+    data = tmp_path / "data"
+    ports = (free_port(), free_port())
+    a = events_gateway(data, ports=ports).start()
+    b = events_gateway(data, ports=ports).start()
+    ns = namespace_for(agnostic_fields("org-c/model-c"))
+    try:
+        assert a.proc is not None and b.proc is not None
+        other = b if wait_for_publisher(ports[0], [a.proc.pid, b.proc.pid]) == a.proc.pid else a
+        start = hello(other.url)["next_seq"]
+        _put(other.url, [key_for(1, namespace=ns)], b"x")
+        (before,) = read_batches(other.url, since=start, events=1)
+        assert before["topic"] == Topics().render(namespace=ns, model=None)  # no config: the namespace's model part
+        fields = agnostic_fields("org-c/model-c")
+        assert httpx.put(f"{other.url}/v1/namespaces/{ns}/config", json=fields, timeout=30).status_code == 201
+        time.sleep(MODEL_RETRY_S + 0.1)  # a namespace without a config is looked up again after this long
+        _put(other.url, [key_for(2, namespace=ns)], b"y")
+        after = read_batches(other.url, since=start, events=2)
+        assert [e["key"] for batch in after for e in batch["events"]] == [key_for(i, namespace=ns) for i in (1, 2)]
+        assert after[-1]["topic"] == "kv@pool:kvgate@org-c/model-c"
+    finally:
+        a.stop()
+        b.stop()

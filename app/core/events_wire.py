@@ -19,7 +19,6 @@ with it. A table-backed publisher can encode the rows it reads with the same cal
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -27,6 +26,7 @@ from typing import Any, Literal
 import msgspec
 
 from app.config import check_topic
+from app.core.memo import NamespaceMemo
 
 log = logging.getLogger("kvgate.events")
 
@@ -201,35 +201,21 @@ class Topics:
         )
 
 
-MODEL_RETRY_S = 0.5
-"""A namespace found without a config is looked up again, when its next rows come, after this long."""
-
-
 class ModelNames:
     """Namespace -> the run's model name from its config (``model_name``), for ``{model}`` in the topic.
 
-    Looked up once per namespace (the name is part of the namespace's digest, so it never changes) and kept, up to
-    ``entries`` namespaces: every configured one when a publisher takes its turn, others when their rows first come.
-    A namespace without a config gets the model part of its name until its config is known: :meth:`learn` is told
-    when a config is stored in this process, and one stored in another process (a worker, a replica) is found by
-    looking the namespace up again, at most every ``retry_s``, while its rows come."""
+    Looked up once per namespace (app/core/memo.py) and kept: every configured one when a publisher takes its turn,
+    others when their rows first come. A namespace without a config gets the model part of its name until its config
+    is known: :meth:`learn` is told when a config is stored in this process, and one stored in another process (a
+    worker, a replica) is found by looking the namespace up again, at most every ``NAMESPACE_RETRY_S``, while its
+    rows come."""
 
-    def __init__(
-        self, lookup: Callable[[str], Awaitable[str | None]], *, entries: int = 4096, retry_s: float = MODEL_RETRY_S
-    ) -> None:
+    def __init__(self, lookup: Callable[[str], Awaitable[str | None]], *, entries: int = 4096) -> None:
         self._lookup = lookup
-        self._entries = entries
-        self.retry_s = retry_s
-        self._names: dict[str, str | None] = {}
-        self._missed: dict[str, float] = {}
-        """Namespace without a config -> when it was looked up (monotonic)."""
+        self._names: NamespaceMemo[str] = NamespaceMemo(entries=entries)
 
     def known(self, namespace: str) -> bool:
-        """Its model name is known, or it was found without a config less than ``retry_s`` ago."""
-        if namespace not in self._names:
-            return False
-        missed = self._missed.get(namespace)
-        return missed is None or time.monotonic() - missed < self.retry_s
+        return self._names.known(namespace)
 
     def get(self, namespace: str) -> str | None:
         """The model name; None: not known (the topic then uses the model part of the namespace's name)."""
@@ -245,12 +231,4 @@ class ModelNames:
             self.learn(namespace, name)
 
     def learn(self, namespace: str, model: str | None) -> None:
-        if namespace not in self._names and len(self._names) >= self._entries:
-            evicted = next(iter(self._names))
-            self._names.pop(evicted)
-            self._missed.pop(evicted, None)
-        self._names[namespace] = model
-        if model is None:
-            self._missed[namespace] = time.monotonic()
-        else:
-            self._missed.pop(namespace, None)
+        self._names.put(namespace, model)

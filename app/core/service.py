@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from app.core.events import NO_EVENTS, EventSink
+from app.core.memo import NamespaceMemo
 from app.core.parts import ByteSpan, PartAssembler, PartOutcome
 from app.core.reads import OpenBlock
 from app.core.versions import Versions
@@ -97,7 +98,8 @@ class BlockService:
         self._store = store
         self._index = index
         self.counters = Counters()
-        self._layouts: dict[str, int | None] = {}
+        self._layouts: NamespaceMemo[int] = NamespaceMemo()
+        """Namespace -> the block size its config records (0: none)."""
 
     # -- writes -----------------------------------------------------------------------------------------------
 
@@ -252,21 +254,21 @@ class BlockService:
 
     async def _check_layout(self, key: BlockKey, size: int) -> None:
         """422 if the namespace's recorded layout gives its blocks another byte size."""
-        if key.namespace not in self._layouts:
+        layouts = self._layouts
+        if not layouts.known(key.namespace):  # a config stored in another process is found (app/core/memo.py)
             record = await self._index.get_namespace(key.namespace)
-            expected = record.fields.get("block_bytes") if record is not None else None
-            self._layouts[key.namespace] = expected if isinstance(expected, int) else None
-            if len(self._layouts) > 4096:
-                self._layouts.pop(next(iter(self._layouts)))
-        expected = self._layouts[key.namespace]
-        if expected is not None and size != expected:
+            found = record.fields.get("block_bytes") if record is not None else None
+            # 0: a config that records no block size (for good); None: no config (yet)
+            layouts.put(key.namespace, found if isinstance(found, int) else (None if record is None else 0))
+        expected = layouts.get(key.namespace)
+        if expected and size != expected:
             raise LayoutMismatch(
                 f"namespace {key.namespace!r} records blocks of {expected} bytes (block_bytes); this one has {size}"
             )
 
     def forget_layout(self, namespace: str) -> None:
         """A namespace's config was removed (purge): read its layout again next time."""
-        self._layouts.pop(namespace, None)
+        self._layouts.drop(namespace)
 
     async def put_config(self, namespace: str, fields: dict[str, Any], raw: bytes) -> bool:
         """Store a namespace's fields (checked against its name); True if new. ``raw`` is stored verbatim."""
@@ -289,7 +291,7 @@ class BlockService:
             yield raw
 
         await self._store.put(config_path(namespace), body(), size=len(raw))
-        self._layouts.pop(namespace, None)
+        self._layouts.drop(namespace)
         created = await self._index.put_namespace(name=namespace, fields=fields)
         self._events.namespace_config(namespace, fields)  # the model name in the events' topic
         return created

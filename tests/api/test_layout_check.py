@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import httpx
 
+from app.core.memo import NAMESPACE_RETRY_S
 from contract.keys import block_path, namespace_for
 from tests.conftest import agnostic_fields
+from tests.gateway import Gateway
 
 BLOCK_BYTES = 4096
 
@@ -49,3 +54,25 @@ async def test_block_of_another_size_is_422_and_stores_nothing(client: httpx.Asy
         )
         assert r.status_code in (201, 202), r.text
     assert (await client.get(f"/v1/blocks/{key2}")).content == b"z" * BLOCK_BYTES
+
+
+def test_a_config_stored_in_another_process_is_checked_here(tmp_path: Path) -> None:
+    """Two gateway processes on one data directory (workers, or a restart beside a running one): a process that saw a
+    namespace's blocks before its config, and so no layout to check, checks the layout once another process stored
+    the config. Before, it kept "no layout" for good and stored blocks of any size in that namespace (fail open)."""
+    ns, fields = _namespace()
+    keys = [block_path(namespace=ns, rank=0, block_hash=bytes([i]) * 32, group=0) for i in range(3)]
+    a = Gateway(tmp_path / "data").start()
+    b = Gateway(tmp_path / "data").start()
+    try:
+        assert httpx.put(f"{b.url}/v1/blocks/{keys[0]}", content=b"x" * 100, timeout=30).status_code == 201
+        assert httpx.put(f"{a.url}/v1/namespaces/{ns}/config", json=fields, timeout=30).status_code == 201
+        time.sleep(NAMESPACE_RETRY_S + 0.1)  # a namespace without a config is looked up again after this long
+        r = httpx.put(f"{b.url}/v1/blocks/{keys[1]}", content=b"x" * 100, timeout=30)
+        assert r.status_code == 422 and r.json()["error"]["code"] == "layout_mismatch", r.text
+        assert httpx.head(f"{b.url}/v1/blocks/{keys[1]}", timeout=30).status_code == 404
+        ok = httpx.put(f"{b.url}/v1/blocks/{keys[2]}", content=b"y" * BLOCK_BYTES, timeout=30)
+        assert ok.status_code == 201
+    finally:
+        a.stop()
+        b.stop()

@@ -15,7 +15,8 @@ from typing import Any
 
 import httpx
 
-from app.core.events_wire import MODEL_RETRY_S, Topics
+from app.core.events_wire import Topics
+from app.core.memo import NAMESPACE_RETRY_S
 from contract.keys import namespace_for
 from tests.conftest import agnostic_fields, key_for
 from tests.events.helpers import (
@@ -252,7 +253,7 @@ def test_a_config_stored_in_another_process_names_the_model_in_later_topics(tmp_
         assert before["topic"] == Topics().render(namespace=ns, model=None)  # no config: the namespace's model part
         fields = agnostic_fields("org-c/model-c")
         assert httpx.put(f"{other.url}/v1/namespaces/{ns}/config", json=fields, timeout=30).status_code == 201
-        time.sleep(MODEL_RETRY_S + 0.1)  # a namespace without a config is looked up again after this long
+        time.sleep(NAMESPACE_RETRY_S + 0.1)  # a namespace without a config is looked up again after this long
         _put(other.url, [key_for(2, namespace=ns)], b"y")
         after = read_batches(other.url, since=start, events=2)
         assert [e["key"] for batch in after for e in batch["events"]] == [key_for(i, namespace=ns) for i in (1, 2)]

@@ -1,0 +1,54 @@
+"""What a process remembers per namespace from the namespace's config: the block size its layout check enforces,
+the model name its events' topic names.
+
+Looked up in the index once per namespace: a config never changes (its fields are part of the namespace's digest).
+But it may be stored after a process first looked, by another process (a worker of ``--workers N``, a replica) that
+does not tell this one, so "no config" is remembered only for ``NAMESPACE_RETRY_S``: the next use after that looks
+again. Kept for at most ``entries`` namespaces, the oldest forgotten first.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Generic, TypeVar
+
+NAMESPACE_RETRY_S = 0.5
+"""How long "this namespace has no config" is believed before the index is asked again."""
+
+T = TypeVar("T")
+
+
+class NamespaceMemo(Generic[T]):
+    """Namespace -> what its config says (None: it has none, or says nothing of it), as looked up here."""
+
+    def __init__(self, *, entries: int = 4096, retry_s: float = NAMESPACE_RETRY_S) -> None:
+        self._entries = entries
+        self.retry_s = retry_s
+        self._values: dict[str, T | None] = {}
+        self._missed: dict[str, float] = {}
+        """Namespace remembered as None -> when (monotonic)."""
+
+    def known(self, namespace: str) -> bool:
+        """Its value is remembered, or it was found without one less than ``retry_s`` ago."""
+        if namespace not in self._values:
+            return False
+        missed = self._missed.get(namespace)
+        return missed is None or time.monotonic() - missed < self.retry_s
+
+    def get(self, namespace: str) -> T | None:
+        return self._values.get(namespace)
+
+    def put(self, namespace: str, value: T | None) -> None:
+        if namespace not in self._values and len(self._values) >= self._entries:
+            oldest = next(iter(self._values))
+            del self._values[oldest]
+            self._missed.pop(oldest, None)
+        self._values[namespace] = value
+        if value is None:
+            self._missed[namespace] = time.monotonic()
+        else:
+            self._missed.pop(namespace, None)
+
+    def drop(self, namespace: str) -> None:
+        self._values.pop(namespace, None)
+        self._missed.pop(namespace, None)

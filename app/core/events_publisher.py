@@ -38,7 +38,7 @@ from app.core.events_order import ParentFirst, parents_first
 from app.core.events_wire import EventCodec, EventEncodeError, ModelNames, Topics
 from app.errors import IndexUnavailable
 from app.index import Index
-from app.index.eventlog import RELEASE, Horizon, LoggedBatch, LogRow
+from app.index.eventlog import CONFIG_REMOVED, RELEASE, Horizon, LoggedBatch, LogRow
 from contract.keys import InvalidKey
 
 log = logging.getLogger("kvgate.events")
@@ -173,6 +173,10 @@ class Publisher:
         row held before a restart (what it waits for is in the stored state)."""
         if row.kind == RELEASE:
             return self._ended(row.token)
+        if row.kind == CONFIG_REMOVED:  # a purge: its blocks' rows before this one go under the model it names
+            if self.models is not None and row.model is not None:
+                self.models.learn(row.key, row.model)
+            return []
         try:
             event = event_of(row, self.codec)
         except (EventEncodeError, InvalidKey) as exc:

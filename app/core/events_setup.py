@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -43,6 +43,20 @@ class Events:
     role: PublisherRole
 
 
+def model_lookup(index: Index) -> Callable[[str], Awaitable[str | None]]:
+    """How the publisher finds a namespace's model name (``ModelNames``): from its config, or, once a purge removed
+    the config, from the log row of that removal (its blocks' rows may be read after it)."""
+
+    async def model_name(namespace: str) -> str | None:
+        record = await index.get_namespace(namespace)
+        if record is None:
+            return await index.event_config_model(namespace)
+        name = record.fields.get("model_name")
+        return name if isinstance(name, str) else None
+
+    return model_name
+
+
 async def event_parts(settings: Settings, *, index: Index) -> EventParts | None:
     """The writer and what it tells, with the stream's state created if it has none (None: events off). Its first
     batch is numbered with the wall clock in microseconds: above any number a gateway gave out when numbers came
@@ -51,12 +65,7 @@ async def event_parts(settings: Settings, *, index: Index) -> EventParts | None:
         return None
     await index.event_init(first_seq=time.time_ns() // 1000)
 
-    async def model_name(namespace: str) -> str | None:
-        record = await index.get_namespace(namespace)
-        name = record.fields.get("model_name") if record is not None else None
-        return name if isinstance(name, str) else None
-
-    models = ModelNames(model_name)
+    models = ModelNames(model_lookup(index))
     wake = asyncio.Event()
     writer = EventWriter(index=index, committed=wake.set, config_stored=models.learn)
     return EventParts(writer=writer, models=models, wake=wake)

@@ -39,8 +39,9 @@ from app.index.models import EventBatchRow, EventLogRow, EventState
 from app.index.records import BlockRecord, LogNote, Swap
 from app.index.writer import GroupCommit
 
-STORED, REMOVED, RELEASE = 0, 1, 2
-"""Kinds of log rows: a block's version stored, its row removed, a PUT of the key ended without a store."""
+STORED, REMOVED, RELEASE, CONFIG_REMOVED = 0, 1, 2, 3
+"""Kinds of log rows: a block's version stored, its row removed, a PUT of the key ended without a store, a
+namespace's config removed (the key is the namespace; the row names the config's model)."""
 STREAM = "kv"
 """The one stream's name in ``event_state``."""
 ROWS_CHUNK = 2000
@@ -60,6 +61,8 @@ class LogRow:
     """Tokens of the PUTs of the parent this row waits for (app/core/events_order.py)."""
     token: int | None
     """The token of the PUT that wrote it, when rows wait for that PUT."""
+    model: str | None = None
+    """Of a config's removal: the model its config named."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +142,7 @@ def _log_row(r: Any) -> LogRow:
         parent=r[6],
         waits_for=_ids(r[7] or ""),
         token=None if r[8] is None else int(r[8]),
+        model=r[9],
     )
 
 
@@ -155,6 +159,7 @@ _COLUMNS = (
     EventLogRow.parent,
     EventLogRow.waits_for,
     EventLogRow.token,
+    EventLogRow.model,
 )
 
 
@@ -205,6 +210,11 @@ class EventLogOps(GroupCommit):
         if swap.written and (old is None or (old.digest, old.size) != (record.digest, record.size)):
             self._log(conn, kind=STORED, key=record.key, size=record.size, digest=record.digest, note=note)
 
+    def _log_config_removed(self, conn: Connection, *, namespace: str, model: str) -> None:
+        """The row of a namespace's config removed (a purge, after its blocks' rows): the model its config named."""
+        if self.logs_events:
+            conn.execute(insert(EventLogRow).values(kind=CONFIG_REMOVED, key=namespace, size=0, digest="", model=model))
+
     async def event_release(self, key: str, *, token: int) -> None:
         """The PUT ``token`` of ``key`` ended without storing it while rows waited for it: they wait no more."""
 
@@ -237,6 +247,18 @@ class EventLogOps(GroupCommit):
     async def event_head(self) -> int:
         """The largest id of a committed row (0: none)."""
         return int(await self._read(lambda conn: conn.execute(select(func.max(EventLogRow.id))).scalar() or 0))
+
+    async def event_config_model(self, namespace: str) -> str | None:
+        """The model name the namespace's config gave when it was last removed, while that row is kept (None: no
+        such row): the topic of the namespace's rows published after a purge removed its config."""
+        stmt = (
+            select(EventLogRow.model)
+            .where(EventLogRow.kind == CONFIG_REMOVED, EventLogRow.key == namespace)
+            .order_by(EventLogRow.id.desc())
+            .limit(1)
+        )
+        model = await self._read(lambda conn: conn.execute(stmt).scalar())
+        return model if isinstance(model, str) else None
 
     async def event_rows(self, *, after: int, upto: int, limit: int) -> list[LogRow]:
         stmt = (

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Float, Index, Integer, LargeBinary, MetaData, SmallInteger, String, Text
+from sqlalchemy import BigInteger, Float, Index, Integer, LargeBinary, MetaData, SmallInteger, String, Text, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 NAMING = {
@@ -93,7 +93,8 @@ class EventLogRow(Base):
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
     """Never reused (SQLite AUTOINCREMENT, a PostgreSQL sequence): the log's order."""
     kind: Mapped[int] = mapped_column(SmallInteger)
-    """0 stored, 1 removed, 2 release (a PUT of this key ended without a store: its children wait no more)."""
+    """0 stored, 1 removed, 2 release (a PUT of this key ended without a store: its children wait no more), 3 a
+    namespace's config removed (``key`` the namespace, ``model`` the model its config named)."""
     key: Mapped[str] = mapped_column(String(512))
     size: Mapped[int] = mapped_column(BigInteger)
     digest: Mapped[str] = mapped_column(String(80))
@@ -105,10 +106,15 @@ class EventLogRow(Base):
     """The tokens of the PUTs of the parent that were in progress in the committing process and had not queued their
     change, comma-separated: each owes a row of the parent's key after this one (its store, or a release row), and
     this row is published after them."""
+    model: Mapped[str | None] = mapped_column(Text, nullable=True)
+    """Of a config's removal: the model name the config gave (its blocks' rows before it go under that topic)."""
     token: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     """The token of the PUT that wrote this row, when rows of children wait for it."""
 
-    __table_args__ = {"sqlite_autoincrement": True}
+    __table_args__ = (
+        Index("ix_event_log_config", "key", sqlite_where=text("kind = 3"), postgresql_where=text("kind = 3")),
+        {"sqlite_autoincrement": True},
+    )
 
 
 class EventBatchRow(Base):

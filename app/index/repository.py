@@ -288,6 +288,22 @@ class Index(Scans, EventLogOps):
 
         return bool(await self._write(run))
 
+    async def delete_namespace(self, name: str) -> bool:
+        """Remove a namespace's fields row; False if it had none. With events on, the removal's log row names the
+        model the fields gave, in the same transaction: the rows of the namespace's blocks that the publisher reads
+        after this still go under that model's topic (``event_config_model``)."""
+
+        def run(conn: Connection) -> bool:
+            fields = conn.execute(select(Namespace.fields).where(Namespace.name == name)).scalar()
+            if fields is None or not conn.execute(delete(Namespace).where(Namespace.name == name)).rowcount:
+                return False
+            model = json.loads(fields).get("model_name")
+            if isinstance(model, str):
+                self._log_config_removed(conn, namespace=name, model=model)
+            return True
+
+        return bool(await self._write(run))
+
     async def get_namespace(self, name: str) -> NamespaceRecord | None:
         async def q() -> NamespaceRecord | None:
             async with self.engine.connect() as conn:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sqlalchemy import Connection, case, delete, func, select
+from sqlalchemy import Connection, case, func, select
 
 from app.index.engine import guard
 from app.index.models import Block, Namespace, Part, Usage
@@ -126,11 +126,3 @@ class Scans(GroupCommit):
                 return [(r.key, int(r.size)) for r in await conn.execute(stmt)]
 
         return await guard(q(), "read")
-
-    async def delete_namespace(self, name: str) -> bool:
-        """Remove a namespace's fields row; False if it had none."""
-
-        def run(conn: Connection) -> bool:
-            return bool(conn.execute(delete(Namespace).where(Namespace.name == name)).rowcount)
-
-        return bool(await self._write(run))

@@ -4,18 +4,22 @@ one that lost its turn writes nothing); PostgreSQL's ids that commit out of orde
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import inspect, text
 
+from alembic import command
 from app.core.events import Batch
 from app.core.events_publisher import LostTurn, Publisher
+from app.core.events_setup import model_lookup
 from app.core.events_wire import ModelNames, Topics
-from app.index import ABSENT, Index, LogNote
+from app.index import ABSENT, Index, LogNote, make_engine
 from app.index.eventlog import STORED, Horizon, Snapshot
+from app.index.migrate import alembic_config, upgrade_head
 from tests.conftest import key_for
 from tests.events.log_harness import FIRST_SEQ, log_index, record
 
@@ -116,6 +120,28 @@ async def test_a_purge_s_rows_go_under_the_model_s_topic_when_the_publisher_firs
     assert [b.topic for b in sent.batches] == [topics.render(namespace=namespace, model="org/model-x")]
 
 
+async def test_a_purge_s_rows_name_the_model_of_a_config_the_publisher_never_read(index: Index) -> None:
+    """A namespace configured in another process after the publisher took its turn (so neither told nor loaded), its
+    blocks stored and purged (rows, then config) before the publisher read any of them: its config's removal left
+    the model's name in the log, and the rows go out under the model's topic. Before, the publisher found no config
+    and sent them under the namespace's own name (a router kept the blocks)."""
+    key = key_for(1)
+    namespace = key.split("_r0/")[0]
+    sent = Sent()
+    topics = Topics()
+    publisher = Publisher(index=index, topics=topics, models=ModelNames(model_lookup(index)), sinks=[sent])
+    await publisher.resume()
+    await index.put_namespace(name=namespace, fields={"model_name": "org/model-y"})  # another process
+    await index.swap_block(record(key))
+    await index.remove_block(key)  # the purge: the blocks' rows, then the config
+    assert await index.delete_namespace(namespace)
+    assert await model_lookup(index)(namespace) == "org/model-y"  # a round that reads the rows and not the config's
+    assert await publisher.round() == 1
+    assert sent.keys() == [("stored", key), ("removed", key)]
+    assert [b.topic for b in sent.batches] == [topics.render(namespace=namespace, model="org/model-y")]
+    assert publisher.dropped == 0
+
+
 async def test_held_rows_wait_for_the_puts_of_their_parent_across_a_restart(index: Index) -> None:
     parent, child, grandchild, other = key_for(1), key_for(2), key_for(3), key_for(4)
     h = {k: k.rsplit("/", 1)[1].removesuffix(".bin") for k in (parent, child, grandchild)}
@@ -211,3 +237,27 @@ async def test_postgresql_ids_committed_out_of_order_are_not_skipped(pg_url: str
         while await publisher.round():
             pass
         assert sent.keys() == [("stored", slow), ("stored", fast)]
+
+
+async def test_0007_adds_the_model_to_a_0006_log_in_place(index_url: str) -> None:
+    """A log written at revision 0006 migrates in place (its rows kept, no model), and back."""
+    cfg = alembic_config(index_url)
+    await asyncio.to_thread(command.upgrade, cfg, "0006")
+    engine = make_engine(index_url)
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(text("INSERT INTO event_log (kind, key, size, digest) VALUES (0, 'k', 1, 'd')"))
+        await upgrade_head(index_url)
+        async with engine.connect() as conn:
+            columns = await conn.run_sync(lambda c: {col["name"] for col in inspect(c).get_columns("event_log")})
+            indexes = await conn.run_sync(lambda c: {i["name"] for i in inspect(c).get_indexes("event_log")})
+            rows = (await conn.execute(text("SELECT kind, key, model FROM event_log"))).all()
+        assert "model" in columns and "ix_event_log_config" in indexes
+        assert [tuple(r) for r in rows] == [(0, "k", None)]
+        await asyncio.to_thread(command.downgrade, cfg, "0006")
+        async with engine.connect() as conn:
+            columns = await conn.run_sync(lambda c: {col["name"] for col in inspect(c).get_columns("event_log")})
+            assert (await conn.execute(text("SELECT count(*) FROM event_log"))).scalar_one() == 1
+        assert "model" not in columns
+    finally:
+        await engine.dispose()

@@ -188,14 +188,14 @@ class Coordinator:
         self.unlock(fd, NAMED_BASE + NAMED[name])
 
     def held(self, name: str) -> bool:
-        """Some process of this machine (this one included) holds the named lock now (F_OFD_GETLK from a
-        description that holds none: every holder's is another)."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+        """Some process of this machine (this one included) holds the named lock now (F_OFD_GETLK from a spare
+        description, which holds no lock: every holder's is another)."""
+        fd = self._description()
         try:
             probe = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, NAMED_BASE + NAMED[name], 1, 0)
             l_type = _FLOCK.unpack(fcntl.fcntl(fd, fcntl.F_OFD_GETLK, probe))[0]
         finally:
-            os.close(fd)
+            self._spare.append(fd)
         return bool(l_type != fcntl.F_UNLCK)
 
 

@@ -24,31 +24,22 @@ class NamespaceMemo(Generic[T]):
     def __init__(self, *, entries: int = 4096, retry_s: float = NAMESPACE_RETRY_S) -> None:
         self._entries = entries
         self.retry_s = retry_s
-        self._values: dict[str, T | None] = {}
-        self._missed: dict[str, float] = {}
-        """Namespace remembered as None -> when (monotonic)."""
+        self._values: dict[str, tuple[T | None, float]] = {}
+        """Namespace -> (value, when it was looked up: monotonic)."""
 
     def known(self, namespace: str) -> bool:
         """Its value is remembered, or it was found without one less than ``retry_s`` ago."""
-        if namespace not in self._values:
-            return False
-        missed = self._missed.get(namespace)
-        return missed is None or time.monotonic() - missed < self.retry_s
+        item = self._values.get(namespace)
+        return item is not None and (item[0] is not None or time.monotonic() - item[1] < self.retry_s)
 
     def get(self, namespace: str) -> T | None:
-        return self._values.get(namespace)
+        item = self._values.get(namespace)
+        return None if item is None else item[0]
 
     def put(self, namespace: str, value: T | None) -> None:
         if namespace not in self._values and len(self._values) >= self._entries:
-            oldest = next(iter(self._values))
-            del self._values[oldest]
-            self._missed.pop(oldest, None)
-        self._values[namespace] = value
-        if value is None:
-            self._missed[namespace] = time.monotonic()
-        else:
-            self._missed.pop(namespace, None)
+            del self._values[next(iter(self._values))]
+        self._values[namespace] = (value, time.monotonic())
 
     def drop(self, namespace: str) -> None:
         self._values.pop(namespace, None)
-        self._missed.pop(namespace, None)

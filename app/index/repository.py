@@ -294,8 +294,8 @@ class Index(Scans, EventLogOps):
         after this still go under that model's topic (``event_config_model``)."""
 
         def run(conn: Connection) -> bool:
-            fields = conn.execute(select(Namespace.fields).where(Namespace.name == name)).scalar()
-            if fields is None or not conn.execute(delete(Namespace).where(Namespace.name == name)).rowcount:
+            fields = conn.execute(delete(Namespace).where(Namespace.name == name).returning(Namespace.fields)).scalar()
+            if fields is None:
                 return False
             model = json.loads(fields).get("model_name")
             if isinstance(model, str):

@@ -253,10 +253,20 @@ class Settings(BaseSettings):
         default="STORAGE", description="the events' `medium`: STORAGE is what vLLM's storage tiers publish"
     )
     events_locality: Literal["LOCAL", "REMOTE", ""] = Field(
-        default="REMOTE", description="the events' `locality` (a tier shared over the network is REMOTE); empty: none"
+        default="",
+        description="the events' `locality`; empty: none, as vLLM engines' own events (Dynamo 1.6 drops every event "
+        "whose locality is REMOTE)",
     )
     events_ownership: str = Field(
-        default="kvgate", description="the events' `ownership` (the tier that published them); empty: none"
+        default="",
+        description="the events' `ownership` (a secondary tier's id, e.g. kvgate); empty: none (Dynamo 1.6 drops "
+        "every event that names one)",
+    )
+    events_model_endpoints: dict[str, tuple[str, str]] = Field(
+        default_factory=dict,
+        description="per model, a ZMQ PUB and a replay address carrying only that model's batches, bound by the "
+        'publisher beside the others: JSON {"<model>": ["<pub>", "<replay>"]}, for routers that file all an address '
+        "carries under one model (Dynamo 1.6); needs {model} and no {namespace} in events_topic",
     )
     events_topic: str = Field(
         default="kv@pool:{name}@{model}",
@@ -303,6 +313,13 @@ class Settings(BaseSettings):
     def _events_topic_fields(cls, value: str) -> str:
         check_topic(value)
         return value
+
+    @model_validator(mode="after")
+    def _model_endpoints_need_model_topics(self) -> Settings:
+        """A model's batches are told apart by their topic: one per model, whatever the namespace."""
+        if self.events_model_endpoints and check_topic(self.events_topic) & {"model", "namespace"} != {"model"}:
+            raise ValueError("events_model_endpoints needs {model} and no {namespace} in events_topic")
+        return self
 
     @field_validator("log_level", mode="before")
     @classmethod

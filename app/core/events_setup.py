@@ -7,8 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,6 +23,9 @@ if TYPE_CHECKING:
     from app.core.events_zmq import Replays, ZmqPublisher
 
 log = logging.getLogger("kvgate.events")
+
+FIRST_SEQ = 0
+"""The number of a new stream's first batch."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,11 +61,11 @@ def model_lookup(index: Index) -> Callable[[str], Awaitable[str | None]]:
 
 async def event_parts(settings: Settings, *, index: Index) -> EventParts | None:
     """The writer and what it tells, with the stream's state created if it has none (None: events off). Its first
-    batch is numbered with the wall clock in microseconds: above any number a gateway gave out when numbers came
-    from the clock."""
+    batch is numbered 0, as a vLLM engine numbers its own: a subscriber that starts from 0 (Dynamo's indexer) sees no
+    gap in the first batch, and one that comes later asks the replay socket from 0 for what it missed."""
     if not settings.events_enabled:
         return None
-    await index.event_init(first_seq=time.time_ns() // 1000)
+    await index.event_init(first_seq=FIRST_SEQ)
 
     models = ModelNames(model_lookup(index))
     wake = asyncio.Event()
@@ -71,43 +73,75 @@ async def event_parts(settings: Settings, *, index: Index) -> EventParts | None:
     return EventParts(writer=writer, models=models, wake=wake)
 
 
+def only_topic(replays: Replays, topic: str) -> Replays:
+    """The batches of ``replays`` of one topic."""
+
+    async def replay(first: int) -> AsyncIterator[Batch]:
+        async for batch in replays(first):
+            if batch.topic == topic:
+                yield batch
+
+    return replay
+
+
 class ZmqOutlet:
-    """The publisher's ZMQ sink: the PUB and replay sockets, bound only while this process holds the turn to
-    publish (``bound``); a batch sent while they are not is stored all the same, and replays serve it."""
+    """The publisher's ZMQ sink: the PUB and replay sockets, and a pair per topic in ``by_topic`` carrying only that
+    topic's batches (numbered as in the stream: the numbers between are other topics', and that pair's replay socket
+    answers with its topic's batches from any number on); bound only while this process holds the turn to publish
+    (``bound``); a batch sent while they are not is stored all the same, and replays serve it."""
 
     def __init__(
-        self, *, endpoint: str, replay_endpoint: str | None, codec: EventCodec, replays: Replays, buffer: int
+        self,
+        *,
+        endpoint: str,
+        replay_endpoint: str | None,
+        codec: EventCodec,
+        replays: Replays,
+        buffer: int,
+        by_topic: Mapping[str, tuple[str, str]] | None = None,
     ) -> None:
         self._endpoint = endpoint
         self._replay_endpoint = replay_endpoint
         self._codec = codec
         self._replays = replays
         self._buffer = buffer
+        self._by_topic = dict(by_topic or {})
         self._zmq: ZmqPublisher | None = None
+        self._topics: dict[str, ZmqPublisher] = {}
 
     def send(self, batch: Batch) -> None:
         if self._zmq is not None:
             self._zmq.send(batch)
+        if (own := self._topics.get(batch.topic)) is not None:
+            own.send(batch)
 
     @contextlib.asynccontextmanager
     async def bound(self) -> AsyncIterator[None]:
         """The sockets bound (zmq.ZMQError if an address is taken), closed on exit."""
+        async with contextlib.AsyncExitStack() as stack:
+            zmq = await stack.enter_async_context(self._pair(self._endpoint, self._replay_endpoint, self._replays))
+            topics = {
+                topic: await stack.enter_async_context(self._pair(pub, replay, only_topic(self._replays, topic)))
+                for topic, (pub, replay) in self._by_topic.items()
+            }
+            self._zmq, self._topics = zmq, topics
+            try:
+                yield
+            finally:
+                self._zmq, self._topics = None, {}
+
+    @contextlib.asynccontextmanager
+    async def _pair(self, endpoint: str, replay_endpoint: str | None, replays: Replays) -> AsyncIterator[ZmqPublisher]:
         from app.core.events_zmq import ZmqPublisher  # pyzmq only where events go out on ZMQ
 
         zmq = ZmqPublisher(
-            endpoint=self._endpoint,
-            replay_endpoint=self._replay_endpoint,
-            codec=self._codec,
-            replays=self._replays,
-            buffer=self._buffer,
+            endpoint=endpoint, replay_endpoint=replay_endpoint, codec=self._codec, replays=replays, buffer=self._buffer
         )
         zmq.start()
-        self._zmq = zmq
         log.info("kv events: pub=%s replay=%s", zmq.endpoint, zmq.replay_endpoint)
         try:
-            yield
+            yield zmq
         finally:
-            self._zmq = None
             await zmq.close()
 
 
@@ -129,19 +163,23 @@ async def open_events(
             )
         )
     feed = EventFeed(index=index, codec=codec, poll_s=cfg.events_poll_s)
+    topics = Topics(cfg.events_topic, name=cfg.events_pool_name) if codec is not None else None
     outlet = None
-    if codec is not None and cfg.events_endpoint:
+    if codec is not None and topics is not None and cfg.events_endpoint:
         outlet = ZmqOutlet(
             endpoint=cfg.events_endpoint,
             replay_endpoint=cfg.events_replay_endpoint or None,
             codec=codec,
             replays=feed.replay,
             buffer=cfg.events_buffer,
+            by_topic={
+                topics.render(namespace="", model=model): pair for model, pair in cfg.events_model_endpoints.items()
+            },
         )
     publisher = Publisher(
         index=index,
         codec=codec,
-        topics=Topics(cfg.events_topic, name=cfg.events_pool_name) if codec is not None else None,
+        topics=topics,
         models=parts.models,
         sinks=[outlet] if outlet is not None else [],
         keep=cfg.events_buffer,

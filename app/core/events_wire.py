@@ -31,11 +31,12 @@ from app.core.memo import NamespaceMemo
 log = logging.getLogger("kvgate.events")
 
 MEDIUM = "STORAGE"
-"""vLLM's storage tiers publish ``STORAGE`` (vllm #48123); routers know it (dynamo #11571: its disk tier)."""
-LOCALITY = "REMOTE"
-"""A shared tier is not local to the inference node that reads the events (vllm #48281)."""
-OWNERSHIP = "kvgate"
-"""The secondary tier that published the event (vllm #52067), as ``kvcr`` for vLLM's KVCR tier."""
+"""vLLM's storage tiers publish ``STORAGE`` (vllm #48123); Dynamo 1.6 indexes it as its disk tier."""
+LOCALITY: str | None = None
+"""Unspecified, as vLLM's engines publish their own blocks: Dynamo 1.6 drops every event whose locality is not
+``LOCAL`` or unspecified (``REMOTE``, vllm #48281, is dropped)."""
+OWNERSHIP: str | None = None
+"""Unspecified: Dynamo 1.6 drops every event that names an owner (a secondary tier's id, vllm #52067)."""
 
 
 class EventEncodeError(ValueError):

@@ -1,6 +1,6 @@
 """vLLM 0.33's own event classes decode the gateway's ZMQ stream: store, overwrite, delete, evict, replay; each
-payload is byte for byte what vLLM's encoder makes of it; media routers know (STORAGE, REMOTE, ownership); the
-topic names the pool and the run's model."""
+payload is byte for byte what vLLM's encoder makes of it; the medium routers know (STORAGE), locality and ownership
+unset as an engine's own events; the topic names the pool and the run's model."""
 
 from __future__ import annotations
 
@@ -39,8 +39,8 @@ def stored(key: str, *, tokens: list[int] | None = None, parent: str | None = No
         "medium": "STORAGE",
         "group_idx": 0,
         "lora_name": None,
-        "locality": "REMOTE",
-        "ownership": "kvgate",
+        "locality": None,
+        "ownership": None,
     }
 
 
@@ -50,8 +50,8 @@ def removed(key: str) -> dict[str, Any]:
         "block_hashes": [h64(key)],
         "medium": "STORAGE",
         "group_idx": 0,
-        "locality": "REMOTE",
-        "ownership": "kvgate",
+        "locality": None,
+        "ownership": None,
     }
 
 
@@ -147,7 +147,7 @@ print(json.dumps(out))
 def test_array_encoding_has_vllms_fields_in_vllms_positions(vllm_python: str) -> None:
     encoded = []
     for encoding in ("map", "array"):
-        codec = EventCodec(WireFormat(encoding=encoding))
+        codec = EventCodec(WireFormat(encoding=encoding, locality="REMOTE", ownership="kvgate"))  # every field set
         stored_ = codec.encode(kind="stored", block_hash="ab" * 32, group=3, token_ids=[5, 6], parent="cd" * 16)
         removed_ = codec.encode(kind="removed", block_hash="ab" * 16, group=1)
         encoded += [(encoding, "stored", stored_.hex()), (encoding, "removed", removed_.hex())]

@@ -25,7 +25,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_offload.base import (
-    Locality,
     Medium,
     OffloadingEvent,
     OffloadingKVEventsConfig,
@@ -104,9 +103,7 @@ def meta(args: argparse.Namespace) -> dict[str, Any]:
         )
         for i, key in enumerate(keys):
             tracker.record_store(request, group, i, key)
-        stored = OffloadingEvent(
-            keys=keys, medium=Medium.STORAGE, removed=False, locality=Locality("REMOTE"), ownership="kvgate"
-        )
+        stored = OffloadingEvent(keys=keys, medium=Medium.STORAGE, removed=False, locality=None, ownership=None)
         report["requests"].append(
             {
                 "announced": announce,

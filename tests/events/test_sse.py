@@ -140,6 +140,7 @@ def test_restart_sequence_goes_on_without_a_jump_and_replays_across_it(tmp_path:
             assert http.put(f"/v1/blocks/{key_for(1)}", content=b"x" * 10).status_code == 201
         first = hello(gw.url)["first_seq"]
         before = read_batches(gw.url, since=first, events=1)[-1]["seq"]
+        assert first == before == 0  # a new stream's first batch is 0, as a vLLM engine's (Dynamo expects it)
         gw.restart()
         after = hello(gw.url)
         assert after["next_seq"] == before + 1 and after["first_seq"] == first

@@ -169,3 +169,40 @@ def test_dynamo_indexer_matches_lookup_with_default_settings(addresses: str, tmp
         if dynamo is not None:
             dynamo.stop()
         gw.stop()
+
+
+def test_dynamo_indexes_tier_chunks_registered_with_the_chunks_size(tmp_path: Path) -> None:
+    """vLLM's OffloadingConnector tier with two blocks per chunk stores one key per chunk, whose event carries the
+    chunk's tokens: Dynamo registered with the chunk's size (what the README says to register) indexes them."""
+    python = dynamo_python()
+    chunk = 2 * BLOCK
+    model = "test-org/model-a"
+    rnd = random.Random(5)
+    gw = events_gateway(tmp_path / "data").start()
+    dynamo = DynamoIndexer(python, log_path=tmp_path / "dynamo.log")
+    try:
+        dynamo.register(instance_id=1, endpoint=gw.pub, replay_endpoint=gw.replay, model=model, block_size=chunk)  # type: ignore[attr-defined]
+        stored = [prompt(model, [[rnd.randrange(50_000) for _ in range(chunk)] for _ in range(3)]) for _ in range(3)]
+        with httpx.Client(base_url=gw.url, timeout=30) as http:
+            assert http.put(f"/v1/namespaces/{MODELS[model]}/config", json=agnostic_fields(model)).status_code == 201
+            for p in stored:
+                for i, key in enumerate(p.keys()):
+                    meta = format_block_meta(parent=p.hashes[i - 1] if i else None, tokens=p.blocks[i])
+                    resp = http.put(f"/v1/blocks/{key}", content=b"c" * BODY, headers={"X-KVGate-Block-Meta": meta})
+                    assert resp.status_code == 201, resp.text
+            assert http.delete(f"/v1/blocks/{stored[0].keys()[1]}").status_code == 204
+            want = [http.post("/v1/lookup", json={"keys": p.keys()}).json()["prefix"] * chunk for p in stored]
+        assert want == [chunk, 3 * chunk, 3 * chunk]
+        deadline = time.monotonic() + 60
+        while True:
+            got = [
+                dynamo.matched_tokens(model=model, token_ids=[t for b in p.blocks for t in b], instance_id=1)
+                for p in stored
+            ]
+            if got == want:
+                break
+            assert time.monotonic() < deadline, f"dynamo {got}, lookup {want}\n{dynamo.log()[-3000:]}"
+            time.sleep(0.5)
+    finally:
+        dynamo.stop()
+        gw.stop()

@@ -7,6 +7,7 @@ auth must answer the same everywhere, and a request that matches no route gets t
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Iterator
@@ -210,7 +211,7 @@ def test_spec_shows_bearer_scheme_on_protected_operations() -> None:
     from app.config import Settings
     from app.main import create_app
 
-    spec = create_app(Settings(tokens=[])).openapi()
+    spec = create_app(Settings(tokens=json.loads(tokens_json()))).openapi()
     assert spec["components"]["securitySchemes"]["bearer"] == {
         "type": "http",
         "scheme": "bearer",
@@ -225,3 +226,16 @@ def test_spec_shows_bearer_scheme_on_protected_operations() -> None:
     assert ops[("/v1/blocks/{path}", "put")]["x-kvgate-role"] == "write"
     assert ops[("/v1/blocks/{path}", "delete")]["x-kvgate-role"] == "admin"
     assert ops[("/v1/lookup", "post")]["x-kvgate-role"] == "read"
+
+
+def test_spec_declares_no_security_without_tokens() -> None:
+    """Auth off (no tokens, loopback only): no operation needs a token, so the spec asks for none (it declared the
+    bearer scheme on every operation, and a client generated from it sent a token it did not have)."""
+    from app.config import Settings
+    from app.main import create_app
+
+    spec = create_app(Settings(tokens=[])).openapi()
+    assert "securitySchemes" not in spec.get("components", {})
+    for path, item in spec["paths"].items():
+        for method, op in item.items():
+            assert "security" not in op and "x-kvgate-role" not in op, (path, method)

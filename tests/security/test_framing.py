@@ -103,6 +103,7 @@ EARLY = {
     "400-checksum": Early(400, key_for(1), ("X-KVGate-Checksum: crc64nvme=not-base64!",), 100_000, 1_000),
     "400-key": Early(400, "/../etc/passwd", (), 100_000, 1_000),
     "401": Early(401, key_for(2), (), 100_000, 1_000, who=None),
+    "401-expect": Early(401, key_for(2), ("Expect: 100-continue",), 100_000, 0, who=None),
     "403": Early(403, key_for(3), (), 100_000, 1_000, who="read"),
     "411": Early(411, key_for(4), ("Transfer-Encoding: chunked",), None, 1_000),
     "413": Early(413, key_for(5), (), 1_000_000_000, 0),

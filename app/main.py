@@ -141,7 +141,7 @@ def _app(cfg: Settings, *, principals: Principals | None) -> FastAPI:
     if cfg.metrics_enabled:
         metrics.install(app)  # outermost: it counts every answer, refusals included
         app.include_router(metrics_route.router)
-    openapi.install(app, cfg)
+    openapi.install(app, cfg, secured=principals is not None)
     return app
 
 

@@ -105,6 +105,17 @@ _UINT = re.compile(r"[0-9]{1,18}", re.ASCII)
 _TOKEN_IDS = re.compile(rf"[0-9]{{1,{MAX_TOKEN_ID_DIGITS}}}(?:,[0-9]{{1,{MAX_TOKEN_ID_DIGITS}}})*", re.ASCII)
 _PARENT = re.compile(r"(?:[0-9a-fA-F]{2}){8,32}", re.ASCII)
 """A block hash: whole bytes of hex, 8 to 32 of them (an odd length is no hash, and no vLLM event could carry it)."""
+HEADER_PATTERNS = {
+    "Range": r"^[Bb][Yy][Tt][Ee][Ss]=[0-9]{0,18}-[0-9]{0,18}$",
+    "Content-Range": f"^{_CONTENT_RANGE.pattern}$",
+    CHECKSUM_HEADER: f"^{_CHECKSUM.pattern}$",
+    PART_CHECKSUM_HEADER: f"^{_CHECKSUM.pattern}$",
+    DIGEST_HEADER: f"^{_HEX64.pattern}$",
+    PART_DIGEST_HEADER: f"^{_HEX64.pattern}$",
+    "If-None-Match": r"^\*$",
+}
+"""Request headers with a grammar, as JSON Schema (ECMA-262) patterns for the OpenAPI spec: what the parsers above
+take (an algorithm's name and its value's length are checked past the pattern)."""
 _BEARER = re.compile(r"[Bb][Ee][Aa][Rr][Ee][Rr] +([A-Za-z0-9._~+/-]{1,512}=*) *", re.ASCII)
 """RFC 6750's ``Bearer b64token``, at most 512 characters."""
 _JSON_NESTING = re.compile(rb'[\[\]{}"\\]')

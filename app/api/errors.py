@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from app import errors as e
+from app.api.routing import RouteShape, allowed_methods, route_path, route_table
 from contract.keys import InvalidKey
 from contract.wire import MalformedHeader, WireError, unsatisfied_content_range
 
@@ -89,6 +90,9 @@ def response_for(exc: Exception) -> JSONResponse:
 
 
 def install(app: FastAPI) -> None:
+    routes: list[RouteShape] = []
+    """The app's routes, read at the first 405 (every route is added by then)."""
+
     async def on_domain(_: Request, exc: Exception) -> JSONResponse:
         return response_for(exc)
 
@@ -98,9 +102,11 @@ def install(app: FastAPI) -> None:
             # the router matched no route: the key has characters no route takes (a newline, ...), a bad key
             return response_for(e.InvalidRequest("not a block key"))
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return JSONResponse(
-            error_body(code, str(exc.detail)), status_code=exc.status_code, headers=getattr(exc, "headers", None)
-        )
+        headers = getattr(exc, "headers", None)
+        if exc.status_code == 405:  # every method of the resource, not only the first matching route's
+            routes[:] = routes or route_table(request.app)
+            headers = {**(headers or {}), "Allow": ", ".join(allowed_methods(routes, route_path(request.scope)))}
+        return JSONResponse(error_body(code, str(exc.detail)), status_code=exc.status_code, headers=headers)
 
     async def on_validation(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)

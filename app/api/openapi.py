@@ -1,4 +1,5 @@
-"""The OpenAPI spec as the edge really answers: the statuses the limits add, and the bearer scheme with 401/403
+"""The OpenAPI spec as the edge really answers: what each input's grammar is (keys, namespaces, headers, bodies: from
+the contract itself), the statuses the limits add, and, where tokens are configured, the bearer scheme with 401/403
 on every operation that needs a token (the role each needs comes from the auth table itself)."""
 
 from __future__ import annotations
@@ -11,6 +12,71 @@ from fastapi import FastAPI
 from app.api.middleware.auth import required_role
 from app.api.middleware.limits import UPLOAD_PREFIX
 from app.config import Settings
+from app.core.service import MAX_CONFIG_BYTES
+from contract.keys import BLOCK_KEY_PATTERN, MAX_KEY_LEN, NAMESPACE_PATTERN, block_path, namespace_for
+from contract.wire import HEADER_PATTERNS
+
+_EXAMPLE_NS = namespace_for({"model_name": "meta-llama/Llama-3.1-8B", "tokens_per_hash": 16})
+PATH_PARAMETERS: dict[str, dict[str, Any]] = {
+    "path": {
+        "type": "string",
+        "pattern": BLOCK_KEY_PATTERN,
+        "maxLength": MAX_KEY_LEN,
+        "description": "a block key, vLLM's FileMapper's: `<namespace>_r<rank>/<hhh>/<hh>_g<group>/<hash>.bin`",
+        "examples": [block_path(namespace=_EXAMPLE_NS, rank=0, block_hash=bytes(range(32)), group=0)],
+    },
+    "namespace": {
+        "type": "string",
+        "pattern": NAMESPACE_PATTERN,
+        "description": "`<model name, '/' as '_'>_<12 hex of the fields' digest>`",
+        "examples": [_EXAMPLE_NS],
+    },
+}
+"""The path parameters' grammars (contract/keys.py), by name."""
+_NOT_PARAMETERS = frozenset({"content-length"})
+"""Headers the HTTP framing owns: not a parameter a client chooses (a request's Content-Length is its body's)."""
+
+
+def describe_inputs(spec: dict[str, Any], *, max_lookup_keys: int, max_config_bytes: int) -> dict[str, Any]:
+    """Every input as the gateway parses it: keys and namespaces with their patterns, headers with a grammar with
+    theirs, no Content-Length parameter, the lookup's keys and the config's fields with their bounds."""
+    for ops in spec.get("paths", {}).values():
+        for op in ops.values():
+            if not isinstance(op, dict) or "parameters" not in op:
+                continue
+            kept = []
+            for param in op["parameters"]:
+                name = param.get("name", "")
+                if param.get("in") == "header" and name.lower() in _NOT_PARAMETERS:
+                    continue
+                if param.get("in") == "path" and name in PATH_PARAMETERS:
+                    param["schema"] = PATH_PARAMETERS[name]
+                elif param.get("in") == "header":
+                    pattern = next((p for h, p in HEADER_PATTERNS.items() if h.lower() == name.lower()), None)
+                    if pattern is not None:
+                        param["schema"] = {"type": "string", "pattern": pattern, **_described(param["schema"])}
+                kept.append(param)
+            op["parameters"] = kept
+    schemas = spec.get("components", {}).get("schemas", {})
+    lookup = schemas.get("LookupRequest")
+    if lookup is not None:
+        keys = lookup["properties"]["keys"]
+        keys["items"] = {k: v for k, v in PATH_PARAMETERS["path"].items() if k != "description"}
+        keys["maxItems"] = max_lookup_keys
+    config = spec.get("paths", {}).get("/v1/namespaces/{namespace}/config", {}).get("put")
+    if config is not None:
+        body = config["requestBody"]["content"]["application/json"]["schema"]
+        body["required"] = ["model_name"]
+        body["properties"] = {"model_name": {"type": "string", "minLength": 1, "examples": ["meta-llama/Llama-3.1-8B"]}}
+        body["description"] = (
+            f"{body.get('description', '')}: their digest must be the namespace's last 12 hex; at most "
+            f"{max_config_bytes} bytes as stored"
+        )
+    return spec
+
+
+def _described(schema: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in schema.items() if k in ("description", "title")}
 
 
 def document_limits(spec: dict[str, Any]) -> dict[str, Any]:
@@ -75,6 +141,12 @@ def secure_spec(spec: dict[str, Any], *, metrics_public: bool) -> dict[str, Any]
     return spec
 
 
-def install(app: FastAPI, settings: Settings) -> None:
+def install(app: FastAPI, settings: Settings, *, secured: bool) -> None:
+    """The spec's edits; ``secured``: tokens are configured (else no operation needs one, and the spec says so)."""
+    extend_openapi(
+        app,
+        lambda spec: describe_inputs(spec, max_lookup_keys=settings.max_lookup_keys, max_config_bytes=MAX_CONFIG_BYTES),
+    )
     extend_openapi(app, document_limits)
-    extend_openapi(app, lambda spec: secure_spec(spec, metrics_public=settings.metrics_public))
+    if secured:
+        extend_openapi(app, lambda spec: secure_spec(spec, metrics_public=settings.metrics_public))

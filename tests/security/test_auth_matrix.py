@@ -7,6 +7,7 @@ auth must answer the same everywhere, and a request that matches no route gets t
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Iterator
@@ -34,6 +35,7 @@ class Call:
     need: str | None  # None: open; else the least role
     ok: frozenset[int]  # statuses once allowed
     global_route: bool = False  # touches no one namespace: refused to namespace-limited tokens
+    touches_none: bool = False  # names no namespace and reveals nothing of any: allowed to every role that may
     body: bytes | None = None
     json: object = None
 
@@ -49,6 +51,7 @@ CALLS = [
     Call("PUT", f"/v1/blocks/{KEY}", "write", frozenset({200, 201}), body=DATA),
     Call("DELETE", f"/v1/blocks/{key_for(2)}", "admin", frozenset({204, 404})),
     Call("POST", "/v1/lookup", "read", frozenset({200}), json={"keys": [KEY, key_for(2)]}),
+    Call("POST", "/v1/lookup", "read", frozenset({200}), touches_none=True, json={"keys": []}),
     Call("GET", f"/v1/namespaces/{TEST_NS}/config", "read", frozenset({200})),
     Call("PUT", f"/v1/namespaces/{TEST_NS}/config", "write", frozenset({200, 201}), json=FIELDS),
     Call("GET", "/v1/namespaces", "admin", frozenset({200}), global_route=True),
@@ -80,7 +83,7 @@ def expected(call: Call, who: str) -> str:
         return "401"
     if RANK[role] < RANK[call.need]:
         return "403"
-    if namespaces is not None:
+    if namespaces is not None and not call.touches_none:
         if call.global_route:
             return "403"
         touched = OTHER_NS if OTHER_NS in call.url else TEST_NS
@@ -208,7 +211,7 @@ def test_spec_shows_bearer_scheme_on_protected_operations() -> None:
     from app.config import Settings
     from app.main import create_app
 
-    spec = create_app(Settings(tokens=[])).openapi()
+    spec = create_app(Settings(tokens=json.loads(tokens_json()))).openapi()
     assert spec["components"]["securitySchemes"]["bearer"] == {
         "type": "http",
         "scheme": "bearer",
@@ -223,3 +226,16 @@ def test_spec_shows_bearer_scheme_on_protected_operations() -> None:
     assert ops[("/v1/blocks/{path}", "put")]["x-kvgate-role"] == "write"
     assert ops[("/v1/blocks/{path}", "delete")]["x-kvgate-role"] == "admin"
     assert ops[("/v1/lookup", "post")]["x-kvgate-role"] == "read"
+
+
+def test_spec_declares_no_security_without_tokens() -> None:
+    """Auth off (no tokens, loopback only): no operation needs a token, so the spec asks for none (it declared the
+    bearer scheme on every operation, and a client generated from it sent a token it did not have)."""
+    from app.config import Settings
+    from app.main import create_app
+
+    spec = create_app(Settings(tokens=[])).openapi()
+    assert "securitySchemes" not in spec.get("components", {})
+    for path, item in spec["paths"].items():
+        for method, op in item.items():
+            assert "security" not in op and "x-kvgate-role" not in op, (path, method)

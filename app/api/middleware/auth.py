@@ -17,19 +17,16 @@ Who the caller is comes from :mod:`app.api.middleware.principals` (bearer tokens
 from __future__ import annotations
 
 import logging
-import re
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
-from starlette.convertors import Convertor
-from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api.errors import response_for
 from app.api.middleware.cert_identity import peer_cert
 from app.api.middleware.limits import BodyGuard, BodyLimits
 from app.api.middleware.principals import Principal, Principals, Role, principal_of
+from app.api.routing import RouteShape, route_path, route_table
 from app.config import Settings
 from app.errors import Forbidden, KVGateError, Unauthorized
 from contract import wire
@@ -57,13 +54,6 @@ RULES: dict[tuple[str, str], Role] = {
 
 BODY_KEYS_ROUTES = frozenset({("POST", "/v1/lookup")})
 """Routes whose JSON body ``{"keys": [...]}`` names the keys they touch (each one is checked)."""
-
-_CONVERTER = re.compile(r"\{(\w+):\w+\}")
-
-
-def template_of(path: str) -> str:
-    """A route's path with converters dropped: ``/v1/blocks/{path:path}`` -> ``/v1/blocks/{path}``."""
-    return _CONVERTER.sub(r"{\1}", path)
 
 
 def required_role(method: str, template: str | None, *, metrics_public: bool) -> Role | None:
@@ -102,50 +92,6 @@ def _body_namespaces(body: bytes) -> list[str | None] | None:
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
         return None
     return [namespace_of_key(k) for k in keys]
-
-
-def route_path(scope: Scope) -> str:
-    """The path the router matches: ``scope["path"]`` less ``scope["root_path"]`` where it starts with it (ASGI puts
-    a mount point or proxy prefix in both), as Starlette's router strips it."""
-    path: str = scope["path"]
-    root: str = scope.get("root_path", "")
-    if not root or not path.startswith(root):
-        return path
-    rest = path[len(root) :]
-    return rest if rest.startswith("/") else path if rest else ""
-
-
-@dataclass(frozen=True, slots=True)
-class RouteShape:
-    template: str
-    methods: frozenset[str]
-    regex: re.Pattern[str]
-    convertors: dict[str, Convertor[Any]]
-
-
-def route_table(app: Any) -> list[RouteShape]:
-    """Every route of ``app``, flattened through included routers, with its compiled path.
-
-    FastAPI may keep included routers as lazy branches; ``fastapi.routing.iter_route_contexts`` flattens them
-    (older versions keep a flat ``app.routes`` of Starlette routes, which the fallback reads).
-    """
-    try:
-        from fastapi.routing import iter_route_contexts
-
-        flat: list[Any] = list(iter_route_contexts(app.routes))
-    except ImportError:
-        flat = list(app.routes)
-    shapes: list[RouteShape] = []
-    for route in flat:
-        path, methods = getattr(route, "path", None), getattr(route, "methods", None)
-        if not isinstance(path, str):
-            continue
-        regex, _fmt, convertors = compile_path(path)
-        allowed = set(methods or ())
-        if "GET" in allowed:
-            allowed.add("HEAD")
-        shapes.append(RouteShape(template_of(path), frozenset(allowed), regex, convertors))
-    return shapes
 
 
 def _authorization(scope: Scope) -> str | None:

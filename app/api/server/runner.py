@@ -1,7 +1,7 @@
 """The server ``kvgate serve`` runs, assembled from Settings: uvicorn on uvloop with the httptools protocol made
-bounded (:mod:`app.api.server.head_limits`) and zero-copy (:mod:`app.api.server.http_body`), the peer certificate
-in the scope when client certificates are on, and the reloaders of the TLS files and the tokens file (SIGHUP, file
-watch).
+bounded (:mod:`app.api.server.head_limits`), fail-closed (:mod:`app.api.server.framing`) and zero-copy
+(:mod:`app.api.server.http_body`), the peer certificate in the scope when client certificates are on, and the
+reloaders of the TLS files and the tokens file (SIGHUP, file watch).
 
 :func:`build_server` is the one place this is put together; ``kvgate serve`` runs what it returns, and a test can
 run the same thing on a loopback port in its own thread (:meth:`GatewayServer.serve`).
@@ -23,6 +23,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from app.api.middleware.principals import Principals
 from app.api.reloading import Reloader
 from app.api.server.bind import bind_warnings, check_bind
+from app.api.server.framing import fail_closed
 from app.api.server.get_lane import GetLane
 from app.api.server.head_limits import bounded_httptools
 from app.api.server.http_body import zero_copy_body
@@ -39,15 +40,15 @@ def http_protocol(
     put_lane: PutLane | None = None,
     get_lane: GetLane | None = None,
 ) -> type[HttpToolsProtocol]:
-    """uvicorn's httptools protocol with kvgate's head bounds, zero-copy bodies, (with client certificates) the
-    peer certificate in every scope, and the lanes once the bounds are checked: ``lane`` answering HEADs of cached
-    blocks, ``put_lane`` storing whole small blocks, ``get_lane`` sending whole cached blocks, over plain HTTP
-    only (app/api/server/lanes.py)."""
-    base: type[HttpToolsProtocol] = HttpToolsProtocol
+    """uvicorn's httptools protocol with kvgate's head bounds, framing that fails closed, zero-copy bodies, (with
+    client certificates) the peer certificate in every scope, and the lanes once the bounds are checked: ``lane``
+    answering HEADs of cached blocks, ``put_lane`` storing whole small blocks, ``get_lane`` sending whole cached
+    blocks, over plain HTTP only (app/api/server/lanes.py)."""
+    base = fail_closed(HttpToolsProtocol)  # under the lanes: a PUT the PUT lane hands to the stack goes through it
     if settings.tls_enabled:
         get_lane = None  # TLS encrypts in user space: a file cannot go to the socket as it is
     if lane is not None or put_lane is not None or get_lane is not None:
-        base = with_lanes(HttpToolsProtocol, head=lane, put=put_lane, get=get_lane)
+        base = with_lanes(base, head=lane, put=put_lane, get=get_lane)
     http = zero_copy_body(
         bounded_httptools(
             max_header_bytes=settings.max_header_bytes, header_timeout_s=settings.header_timeout_s, base=base

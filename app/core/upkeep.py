@@ -50,7 +50,7 @@ class Settled(enum.Enum):
     DROPPED = "dropped"
     """the row's version is gone and nothing else stands for it: the row was removed"""
     CORRUPT = "corrupt"
-    """other bytes than the row's, written behind the gateway's back: row and data removed"""
+    """other bytes than the row's, written behind the gateway's back: data quarantined, then the row removed"""
     ABSENT = "absent"
     """no row and no data"""
 
@@ -192,10 +192,13 @@ class Upkeep:
             await change.record(key, found, expect=row.stamp)
             log.warning("recovery: the row's version is gone, kept the version on disk key=%s", key.path)
             return Settled.RECORDED
-        log.error("corrupt block key=%s: stored %s, row %s; removed", key.path, found.digest, row.digest)
-        if await change.remove(expect=row.stamp, data=False) is not None:
-            await store.remove(key.path, stamp=found.stamp)  # the bytes found, and only them
-        return Settled.CORRUPT
+        # the bytes found, and only them, are moved aside before the row goes: a crash in between leaves a row
+        # without data (a miss), never corrupt bytes without a row for recovery to adopt under a fresh checksum
+        log.error("corrupt block key=%s: stored %s, row %s; quarantined", key.path, found.digest, row.digest)
+        if await store.quarantine(key.path, stamp=found.stamp):
+            await change.remove(expect=row.stamp, data=False)
+            return Settled.CORRUPT
+        return await self._settle(change, key)  # changed since it was read: decided again
 
     async def adopt(self, key: BlockKey) -> Version | None:
         """Record the data stored under ``key`` if no row names a version of it (``kvgate import`` in place,

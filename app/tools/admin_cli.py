@@ -210,7 +210,7 @@ def gc(
         ("rows in doubt (another version on disk)", report.resized),
         ("committed versions rolled forward", report.rolled_forward),
         ("rows given version ids", report.stamps_upgraded),
-        ("corrupt blocks removed", report.corrupt_removed),
+        ("corrupt blocks quarantined (rows removed)", report.corrupt_removed),
         ("configs adopted", report.configs_adopted),
         ("temp files removed", report.temp_removed),
         ("stale uploads dropped (parts)", report.stale_uploads_dropped),

@@ -114,6 +114,58 @@ def test_removal_of_a_key_a_crash_left_staged_survives_the_restart(tmp_path: Pat
         gw.stop()
 
 
+def _served_by_a_ready_worker(url: str, *, tries: int = 50) -> httpx.Client:
+    """A client whose one keep-alive connection a serving worker accepted: the kernel spreads connections over the
+    workers' sockets, and one that lands on a worker still starting waits there."""
+    for _ in range(tries):
+        c = httpx.Client(base_url=url, timeout=30, limits=httpx.Limits(max_connections=1))
+        try:
+            if c.get("/readyz", timeout=1.0).status_code == 200:
+                return c
+        except httpx.TimeoutException:
+            pass
+        c.close()
+    raise AssertionError("no worker accepted a connection")
+
+
+def test_a_worker_serving_before_start_up_reconcile_removes_what_the_key_holds(tmp_path: Path) -> None:
+    """``serve --workers 2`` on a data dir a crash left between a PUT's row swap and its rename; worker 0's start-up
+    reconcile is held while worker 1 serves a DELETE of that key (204). After worker 0's reconcile and a restart
+    the key is a miss. Before, worker 1 unlinked nothing (the file was not the row's version) and the reconcile
+    adopted the older file: the acknowledged DELETE was undone."""
+    data_dir, key, flags = tmp_path / "data", key_for(11), tmp_path / "flags"
+    flags.mkdir()
+    gw = Gateway(data_dir).start()
+    try:
+        with httpx.Client(base_url=gw.url, timeout=30) as c:
+            assert c.put(f"/v1/blocks/{key}", content=random_bytes(BLOCK, 11)).status_code == 201
+        _crash_after_commit(gw, key, flags)
+        gw.stop()
+        held = flags / "reconcile"
+        held.mkdir()
+        gw = Gateway(data_dir, port=gw.port, workers=2, env=_fault("reconcile", held))
+        env = {**os.environ, "KVGATE_LOG_LEVEL": "warning", "KVGATE_DATA_DIR": str(data_dir), **gw.extra_env}
+        argv = [sys.executable, "-m", "app", "serve", "--port", str(gw.port), "--workers", "2"]
+        gw._spawn(argv, env=env, ready=(held / "held").exists, timeout_s=90)  # worker 0 is held in its reconcile
+        c = _served_by_a_ready_worker(gw.url)  # worker 1: worker 0 accepts nothing before its reconcile is done
+        try:
+            assert c.delete(f"/v1/blocks/{key}").status_code == 204
+        finally:
+            c.close()
+        (held / "go").touch()
+        deadline = time.monotonic() + 60
+        while not gw.all_workers_ready():  # worker 0 listens once its reconcile is done
+            assert time.monotonic() < deadline, "worker 0 did not finish its reconcile"
+            time.sleep(0.1)
+        gw.stop()
+        gw = Gateway(data_dir, port=gw.port).start()
+        with httpx.Client(base_url=gw.url, timeout=30) as c:
+            assert c.get(f"/v1/blocks/{key}").status_code == 404, "an acknowledged removal was undone"
+        assert key not in index_rows(data_dir) and key not in block_files(data_dir)
+    finally:
+        gw.stop()
+
+
 # -- finding 4: corrupt bytes are quarantined before their row goes ---------------------------------------------
 
 

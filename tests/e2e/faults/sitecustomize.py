@@ -4,6 +4,8 @@ functions that every release has, so a test shows what an earlier tree did at th
 
 - ``stage-lock``: the first writer's lock taken on a staged file once ``DIR/arm`` exists waits (touches
   ``DIR/held``, waits for ``DIR/go``): a sweep can run in between;
+- ``reconcile``: start-up reconcile waits before it begins (touches ``DIR/held``, waits for ``DIR/go``): the
+  other workers of a ``--workers N`` gateway serve meanwhile;
 - ``removed``: the first block row removal once ``DIR/arm`` exists commits, then the process stops there
   (touches ``DIR/held`` and waits to be killed): a crash right after a row goes.
 """
@@ -57,7 +59,23 @@ def _removed(flags: Path) -> None:
     Index.remove_block = held  # type: ignore[method-assign]
 
 
-_POINTS = {"stage-lock": _stage_lock, "removed": _removed}
+def _reconcile(flags: Path) -> None:
+    import asyncio
+
+    from app.core import reconcile as module
+
+    run = module.reconcile
+
+    async def held(**kwargs: Any) -> Any:
+        (flags / "held").touch()
+        while not (flags / "go").exists():
+            await asyncio.sleep(0.02)
+        return await run(**kwargs)
+
+    module.reconcile = held  # type: ignore[assignment]
+
+
+_POINTS = {"stage-lock": _stage_lock, "removed": _removed, "reconcile": _reconcile}
 
 if spec := os.environ.get("KVGATE_TEST_FAULT"):
     point, _, where = spec.partition(":")

@@ -171,6 +171,18 @@ class Settings(BaseSettings):
         "change is conditional on the version it observed)",
     )
     reconcile_concurrency: int = Field(default=8, gt=0, description="digests computed at once by reconcile")
+    scrub_interval_s: float = Field(
+        default=86400.0,
+        ge=0,
+        description="every stored block is read back and checked against its row this often (a pass; corrupt "
+        "blocks quarantined, their rows removed); 0: no background scrub",
+    )
+    scrub_delay_s: float = Field(
+        default=600.0, ge=0, description="the first scrub pass starts this long after start-up"
+    )
+    scrub_bytes_per_s: int = Field(
+        default=32 * MiB, gt=0, description="the scrub reads at most this many bytes a second (one process at a time)"
+    )
     metrics_enabled: bool = Field(default=True, description="serve /metrics and count requests")
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
         default="info", description="uvicorn's log level"

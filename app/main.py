@@ -163,6 +163,7 @@ async def _serving(app: FastAPI, *, cfg: Settings, backends: Backends) -> AsyncI
                 stale_parts_s=cfg.stale_upload_s,
             )
         await core.capacity.start()
+        await core.scrub.start()
         if parts is not None:
             events = await stack.enter_async_context(
                 open_events(cfg, parts=parts, index=core.index, coordinator=core.coordinator)

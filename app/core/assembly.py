@@ -17,6 +17,7 @@ from app.core.coordination import Coordinator, open_coordinator
 from app.core.events import NO_EVENTS, EventSink
 from app.core.keystate import KeyLocks, MetaCache
 from app.core.parts import PartAssembler
+from app.core.scrub import Scrub
 from app.core.service import BlockService
 from app.core.upkeep import Upkeep
 from app.core.usage import Usage
@@ -36,6 +37,8 @@ class Core:
     service: BlockService
     coordinator: Coordinator
     """The data directory's coordination file (key locks, cache epochs, the named exclusive locks)."""
+    scrub: Scrub
+    """Stored bytes checked against their rows in the background (started by the server only)."""
 
 
 @contextlib.asynccontextmanager
@@ -58,6 +61,14 @@ async def open_core(
         service = BlockService(
             versions=versions, parts=parts, admission=capacity, repair=upkeep, store=store, index=index, events=events
         )
+        scrub = Scrub(
+            upkeep=upkeep,
+            index=index,
+            coordinator=coordinator,
+            bytes_per_s=settings.scrub_bytes_per_s,
+            interval_s=settings.scrub_interval_s,
+            delay_s=settings.scrub_delay_s,
+        )
         try:
             yield Core(
                 store=store,
@@ -68,8 +79,10 @@ async def open_core(
                 capacity=capacity,
                 service=service,
                 coordinator=coordinator,
+                scrub=scrub,
             )
         finally:
+            await scrub.close()
             await capacity.close()
             await versions.close()
     finally:

@@ -41,7 +41,7 @@ TABLE_BYTES = _EPOCH.size * STRIPES
 NAMED_BASE = STRIPES
 """Byte offsets from here on are named locks (``exclusive(name)``): the evictor's, the events publisher's, one holder
 at a time."""
-NAMED = {"evict": 0, "reconcile": 1, "events": 2}
+NAMED = {"evict": 0, "reconcile": 1, "events": 2, "scrub": 3}
 _FLOCK = struct.Struct("@hhqqi4x")
 """struct flock on Linux (l_type, l_whence, l_start, l_len, l_pid); l_pid must be 0 for OFD locks."""
 POLL_FIRST_S = 0.0005

@@ -17,15 +17,15 @@ import dataclasses
 import enum
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from app.core.parts import PartAssembler
 from app.core.versions import Change, Versions, meta_of
-from app.errors import BlockNotFound, KVGateError, NamespaceNotFound
+from app.errors import BlockNotFound, DigestMismatch, KVGateError, NamespaceNotFound, SizeMismatch, VersionMismatch
 from app.index import ABSENT, BlockRecord, Index, NamespaceUsage, Upload
 from app.storage import BlockStore
-from app.storage.base import Leftover, Version
+from app.storage.base import BodyChecker, Leftover, Version
 from app.storage.checksums import algorithm_of
 from contract.keys import BlockKey, InvalidKey, config_path, parse_block_key, parse_namespace
 
@@ -50,7 +50,7 @@ class Settled(enum.Enum):
     DROPPED = "dropped"
     """the row's version is gone and nothing else stands for it: the row was removed"""
     CORRUPT = "corrupt"
-    """other bytes than the row's, written behind the gateway's back: row and data removed"""
+    """other bytes than the row's, written behind the gateway's back: data quarantined, then the row removed"""
     ABSENT = "absent"
     """no row and no data"""
 
@@ -192,10 +192,53 @@ class Upkeep:
             await change.record(key, found, expect=row.stamp)
             log.warning("recovery: the row's version is gone, kept the version on disk key=%s", key.path)
             return Settled.RECORDED
-        log.error("corrupt block key=%s: stored %s, row %s; removed", key.path, found.digest, row.digest)
-        if await change.remove(expect=row.stamp, data=False) is not None:
-            await store.remove(key.path, stamp=found.stamp)  # the bytes found, and only them
-        return Settled.CORRUPT
+        # the bytes found, and only them, are moved aside before the row goes: a crash in between leaves a row
+        # without data (a miss), never corrupt bytes without a row for recovery to adopt under a fresh checksum
+        log.error("corrupt block key=%s: stored %s, row %s; quarantined", key.path, found.digest, row.digest)
+        if await store.quarantine(key.path, stamp=found.stamp):
+            await change.remove(expect=row.stamp, data=False)
+            return Settled.CORRUPT
+        return await self._settle(change, key)  # changed since it was read: decided again
+
+    async def verify(self, key: BlockKey, *, pace: Callable[[int], Awaitable[None]]) -> tuple[Settled, int]:
+        """Read the version the key's row names back, hashed in the row's algorithm (the scrub: app/core/scrub.py),
+        without holding the key (the stamp pins the version read); ``pace`` is awaited with each chunk's size.
+        KEPT: its bytes are the row's; CORRUPT: they were not (condemned); ABSENT: no row; else what settling a
+        row whose version was not there found. With the bytes read."""
+        row = await self._index.get(key.path)
+        if row is None:
+            return Settled.ABSENT, 0
+        try:
+            reader = await self._store.open(key.path, stamp=row.stamp)
+        except (BlockNotFound, VersionMismatch):
+            return await self.repair(key), 0
+        checker = BodyChecker(size=row.size, expected_digest=row.digest)
+        read = 0
+        try:
+            async with reader:
+                async for chunk in reader.chunks(start=0, end=reader.size):
+                    checker.update(chunk)
+                    read += len(chunk)
+                    await pace(len(chunk))
+            checker.finish()
+        except (DigestMismatch, SizeMismatch):
+            return await self.condemn(key, stamp=row.stamp), read
+        return Settled.KEPT, read
+
+    async def condemn(self, key: BlockKey, *, stamp: str | None) -> Settled:
+        """Version ``stamp`` of the key was read and its bytes are not its row's: holding the key, if the row still
+        names it, quarantine those bytes, then remove the row (CORRUPT); KEPT if the key changed since."""
+        async with self._versions.change(key.path) as change:
+            row = await change.row()
+            if row is None or row.stamp != stamp:
+                return Settled.KEPT  # another version now: not the bytes judged
+            log.error(
+                "corrupt block key=%s stamp=%s: bytes are not the row's %s; quarantined", key.path, stamp, row.digest
+            )
+            if await self._store.quarantine(key.path, stamp=stamp):
+                await change.remove(expect=stamp, data=False)
+                return Settled.CORRUPT
+            return await self._settle(change, key)  # the version is not there any more: settled as found
 
     async def adopt(self, key: BlockKey) -> Version | None:
         """Record the data stored under ``key`` if no row names a version of it (``kvgate import`` in place,

@@ -15,8 +15,9 @@ hands out a ``Change``. A ``Change`` does one thing at a time, in one order:
    the object). If publishing fails the row stays: the version is committed, and recovery rolls it forward
    (``BlockStore.roll_forward``) rather than back, so HEAD, lookup and GET never go back in the key's history.
 
-Removal is the same in reverse: the row goes first (only if it names the version expected), then that version's
-data, durably (the filesystem fsyncs the directory) before the change returns. Events and the usage figures move
+Removal is the same in reverse: the row goes first (only if it names the version expected), then whatever data
+the key holds (its file, whichever version, and the staged version the row named, which a crash may have left
+unpublished), durably (the filesystem fsyncs the directory) before the change returns. Events and the usage figures move
 only by what committed. Readers never hold a key: a reader opens exactly the version its row names (stamps never
 repeat), and one that finds another version waits for the change in flight (``settle``) and reads again.
 """
@@ -268,5 +269,8 @@ class Change:
         if data and v.store.versioned:
             v._retire(self.key, old.stamp)
         elif data:
-            await v.store.remove(self.key, stamp=old.stamp)  # an open reader's fd keeps its inode
+            # whatever the key holds goes, not only the row's version: a crash between a commit and its rename
+            # leaves the row naming a staged version and the old file under the key, which recovery would adopt
+            # again (an open reader's fd keeps its inode)
+            await v.store.clear(self.key, stamp=old.stamp)
         return old

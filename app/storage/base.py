@@ -205,6 +205,20 @@ class BlockStore(Protocol):
         is none. Default: its digest, with whatever stamp it has."""
         return await self.digest(key, algorithm=algorithm)
 
+    async def clear(self, key: str, *, stamp: str | None) -> bool:
+        """Remove whatever block ``key`` holds, whichever version it is, and version ``stamp`` (the one its row
+        named) wherever the store may still hold it unpublished, durably before returning; called once the key's
+        row is gone, holding the key, so that nothing is left for recovery to adopt again. True if anything went.
+        Default: the key holds its data under its own name only."""
+        return await self.remove(key, stamp=None)
+
+    async def quarantine(self, key: str, *, stamp: str | None) -> bool:
+        """Take version ``stamp`` of ``key`` (bytes judged corrupt) out of every read, listing and adoption,
+        durably, before its row goes: a crash then leaves a row without data (a miss), never corrupt bytes
+        without a row. False if that version was not there. Default: it is removed (S3: a version object without a
+        row is never adopted, and a copy of the bad bytes would only be more to skip)."""
+        return await self.remove(key, stamp=stamp)
+
     async def leftovers(self) -> Sequence[Leftover]:
         """Staged versions that their writer left behind (it is gone: crashed, killed, or the machine stopped)
         and never published or discarded. Default: this store leaves no staged data behind its writers."""

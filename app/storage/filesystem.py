@@ -37,8 +37,10 @@ from app.storage.base import (
     Version,
 )
 from app.storage.fs_files import (
+    NO_LINKS,
     TEMP_PREFIX,
     batched,
+    clear_files,
     copy_range,
     create_locked,
     drop_unlocked,
@@ -48,10 +50,10 @@ from app.storage.fs_files import (
     hash_file,
     id_of,
     io,
-    link_or_copy,
     lock_file,
     new_id,
     probe_xattrs,
+    quarantine_file,
     read_cached,
     read_stamp,
     restamp_file,
@@ -262,44 +264,31 @@ class FilesystemStore(BlockStore):
         tmp = temp_name(vid, self.path_of(target))
 
         def run() -> Staged:
-            fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
+            # the upload's file is locked before it gets its staged name (a link to the same file): no sweep ever
+            # finds that name unlocked
+            fd = os.open(src, os.O_RDWR | os.O_CLOEXEC)
             try:
-                if (held := os.fstat(fd).st_size) != total:
-                    raise SizeMismatch(f"upload holds {held} bytes of {total}")
-                whole = BodyChecker(size=total, expected_digest=None, algorithm=algorithm)
-                for region in regions:
-                    part = BodyChecker(size=region.end - region.start, expected_digest=region.digest)
-                    pos = region.start
-                    while pos < region.end:
-                        data = os.pread(fd, min(self._chunk, region.end - pos), pos)
-                        if not data:
-                            raise SizeMismatch("upload shrank while being read")
-                        part.update(data)
-                        whole.update(data)
-                        pos += len(data)
+                lock_file(fd, wait=True)  # a sweep looking at a leftover link of it holds it for a few calls
+                meta = self._check_upload(fd, regions, total, algorithm=algorithm)
+                try:
+                    linked = _link(src, tmp)
+                except FileNotFoundError:
+                    tmp.parent.mkdir(parents=True, exist_ok=True)
+                    linked = _link(src, tmp)
+                if not linked:  # a filesystem without hard links: a copy, created locked
+                    copy = create_locked(tmp)
                     try:
-                        part.finish()
-                    except DigestMismatch as exc:
-                        raise DigestMismatch(
-                            f"bytes {region.start}-{region.end - 1} are not the part recorded"
-                        ) from exc
-                meta = whole.finish()
-            finally:
-                os.close(fd)
-            try:
-                link_or_copy(src, tmp)
-            except FileNotFoundError:
-                tmp.parent.mkdir(parents=True, exist_ok=True)
-                link_or_copy(src, tmp)
-            fd = os.open(tmp, os.O_RDWR | os.O_CLOEXEC)
-            try:
-                lock_file(fd, wait=True)
+                        copy_range(fd, copy, size=total, offset=0, chunk_bytes=self._chunk)
+                    finally:
+                        os.close(fd)
+                        fd = copy
                 stamp = seal_stamp(fd, vid=vid)
                 if self._fsync:
                     os.fsync(fd)
             except BaseException:
                 os.close(fd)
-                tmp.unlink(missing_ok=True)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
                 raise
             return Staged(key=target, meta=meta, stamp=stamp, handle=_Temp(tmp, fd))
 
@@ -307,6 +296,27 @@ class FilesystemStore(BlockStore):
             return await io(run, what="stage upload")
         except FileNotFoundError as exc:
             raise BlockNotFound(key) from exc
+
+    def _check_upload(self, fd: int, regions: Sequence[Region], total: int, *, algorithm: str | None) -> Version:
+        """Read the upload open as ``fd`` once: each region's digest checked, the whole hashed."""
+        if (held := os.fstat(fd).st_size) != total:
+            raise SizeMismatch(f"upload holds {held} bytes of {total}")
+        whole = BodyChecker(size=total, expected_digest=None, algorithm=algorithm)
+        for region in regions:
+            part = BodyChecker(size=region.end - region.start, expected_digest=region.digest)
+            pos = region.start
+            while pos < region.end:
+                data = os.pread(fd, min(self._chunk, region.end - pos), pos)
+                if not data:
+                    raise SizeMismatch("upload shrank while being read")
+                part.update(data)
+                whole.update(data)
+                pos += len(data)
+            try:
+                part.finish()
+            except DigestMismatch as exc:
+                raise DigestMismatch(f"bytes {region.start}-{region.end - 1} are not the part recorded") from exc
+        return whole.finish()
 
     async def publish(self, staged: Staged) -> None:
         """Rename the staged file over the key's file (atomic), then fsync the directory."""
@@ -322,7 +332,10 @@ class FilesystemStore(BlockStore):
             finally:
                 temp.close()
 
-        await io(rename, what="publish", inline=self._inline_write(staged.meta.size))
+        try:
+            await io(rename, what="publish", inline=self._inline_write(staged.meta.size))
+        except (FileNotFoundError, NotADirectoryError) as exc:  # the staged file is gone: an outage, not a 500
+            raise BackendUnavailable(f"publish {staged.key!r}: staged file is gone") from exc
 
     async def discard(self, staged: Staged) -> None:
         temp = staged.handle
@@ -357,6 +370,21 @@ class FilesystemStore(BlockStore):
 
     async def delete(self, key: str) -> bool:
         return await self.remove(key, stamp=None)
+
+    async def clear(self, key: str, *, stamp: str | None) -> bool:
+        """Unlink whatever file is under ``key`` and the staged file of version ``stamp`` (a committed version a
+        crash left unpublished), then fsync the directory once; True if anything went."""
+        path = self.path_of(key)
+        vid = None if stamp is None else id_of(stamp)
+        staged = None if vid is None else temp_name(vid, path)
+        return await io(clear_files, path, staged, self._fsync, what="remove")
+
+    async def quarantine(self, key: str, *, stamp: str | None) -> bool:
+        """Rename the key's file, if it is still version ``stamp``, to a quarantine name beside it that listing,
+        adoption and reads skip, then fsync the directory."""
+        if stamp is None:  # every file has a stamp here: none names no file
+            return False
+        return await io(quarantine_file, self.path_of(key), stamp, self._fsync, what="quarantine")
 
     async def roll_forward(self, key: str, stamp: str) -> bool:
         """Publish the staged file of version ``stamp`` that a crash left between its commit and its rename."""
@@ -461,6 +489,17 @@ class FilesystemStore(BlockStore):
         """Remove empty directories under ``prefix`` (not ``prefix`` itself) untouched for ``older_than_s``; how
         many. A write that needs one again makes it again (``place``, ``stage``)."""
         return await io(sweep_empty_dirs, self.path_of(prefix.rstrip("/")), older_than_s, what="sweep")
+
+
+def _link(src: Path, dst: Path) -> bool:
+    """Hard-link ``src`` as ``dst``; False where the filesystem (or the file) takes no more links."""
+    try:
+        os.link(src, dst)
+        return True
+    except OSError as exc:
+        if exc.errno not in NO_LINKS:
+            raise
+    return False
 
 
 def _cached_at(fd: int, pos: int, size: int) -> bool:

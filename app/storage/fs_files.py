@@ -10,8 +10,12 @@ valid attribute (written by vLLM's fs tier, or by kvgate before stamps had ids) 
 the stamps of earlier releases, which rows written then still hold.
 
 **A staged version** is ``.kvgate-tmp-<id>.<name>`` in its key's directory, where ``name`` is the key's file name:
-its writer holds an open-file-description lock on it from creation until it is published or discarded, so a sweep
-can tell a live writer's file (locked) from one a crash left behind (unlocked), with no clock involved.
+its writer holds an open-file-description lock on it until it is published or discarded, so a sweep can tell a
+live writer's file (locked) from one a crash left behind (unlocked), with no clock involved. Between the file's
+creation and its lock a sweep may take it: the writer waits for the lock, then checks that the name is still its
+file, and makes it again if not (``create_locked``); an upload's file is locked before it is linked as staged.
+
+**Quarantined bytes** (judged corrupt) are renamed to ``.kvgate-corrupt-<id>.<name>`` before their row goes.
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ import dataclasses
 import errno
 import fcntl
 import os
-import shutil
 import struct
 import time
 import uuid
@@ -33,6 +36,9 @@ from app.storage.base import BodyChecker, ObjectInfo, Version
 from app.threads import run_sync
 
 TEMP_PREFIX = ".kvgate-tmp-"
+QUARANTINE_PREFIX = ".kvgate-corrupt-"
+"""Bytes judged corrupt, moved aside under ``<prefix><id>.<name>`` before their row goes: kept for the operator to
+inspect (never counted, listed, adopted or read), removed at will."""
 XATTR = "user.kvgate.version"
 T = TypeVar("T")
 _FLOCK = struct.Struct("@hhqqi4x")
@@ -169,16 +175,37 @@ def lock_file(fd: int, *, wait: bool = False) -> bool:
     return True
 
 
-def create_locked(path: str | Path) -> int:
-    """Create ``path`` (exclusively, its directory if need be) and hold the writer's lock on it."""
+def create_locked(path: str | Path, *, tries: int = 3) -> int:
+    """Create ``path`` (exclusively, its directory if need be) holding the writer's lock. A sweep can open the
+    file between its creation and the lock (it locks it, then unlinks it or lets it be): so the lock is waited
+    for, never skipped, and then the name is checked to be still this very file; one swept in between is made
+    again under the same name (nothing was written to it). BackendUnavailable if that keeps happening."""
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-    try:  # the key's directory is there for all but a prefix's first block: no mkdir walk per PUT
-        fd = os.open(path, flags, 0o644)
-    except FileNotFoundError:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(path, flags, 0o644)
-    lock_file(fd)
-    return fd
+    for _ in range(tries):
+        try:  # the key's directory is there for all but a prefix's first block: no mkdir walk per PUT
+            fd = os.open(path, flags, 0o644)
+        except FileNotFoundError:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd = os.open(path, flags, 0o644)
+        try:
+            lock_file(fd, wait=True)  # a sweep holds it for a few calls at most
+            if same_file(fd, path):
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+    raise BackendUnavailable(f"staged file {os.path.basename(path)!r} was swept while being created")
+
+
+def same_file(fd: int, path: str | Path) -> bool:
+    """Whether ``path`` names the file open as ``fd``."""
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
 
 
 def write_all(fd: int, pieces: Sequence[bytes], offset: int | None) -> None:
@@ -230,24 +257,6 @@ def fsync_dir(path: str | Path) -> None:
 
 NO_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK)
 """errnos of a filesystem (or a file) that takes no more hard links."""
-
-
-def link_or_copy(src: Path, dst: Path) -> bool:
-    """Hard-link ``src`` as ``dst`` (True); where the filesystem has no hard links, copy it (shutil: in the kernel
-    where it can) and fsync the copy (False)."""
-    try:
-        os.link(src, dst)
-        return True
-    except OSError as exc:
-        if exc.errno not in NO_LINKS:
-            raise
-    shutil.copyfile(src, dst)
-    fd = os.open(dst, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return False
 
 
 MAX_PIECES = 512
@@ -312,6 +321,40 @@ def roll_forward_file(tmp: Path, final: Path, stamp: str, fsync: bool) -> bool:
         return True
     finally:
         os.close(fd)
+
+
+def clear_files(path: Path, staged: Path | None, fsync: bool) -> bool:
+    """Unlink the file at ``path`` whatever version it is, and the staged file ``staged`` unless a live writer
+    holds it, then fsync their directory; True if either was there."""
+    gone = False
+    try:
+        path.unlink()
+        gone = True
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    if staged is not None:
+        gone = drop_unlocked(staged) or gone
+    if gone and fsync:
+        fsync_dir(path.parent)
+    return gone
+
+
+def quarantine_name(path: Path) -> Path:
+    return path.parent / f"{QUARANTINE_PREFIX}{new_id()}.{path.name}"
+
+
+def quarantine_file(path: Path, stamp: str, fsync: bool) -> bool:
+    """Rename the file at ``path``, if it is version ``stamp``, to a quarantine name beside it (a dot name: never
+    listed, adopted or read), then fsync the directory; False if it is not there or not that version."""
+    try:
+        if read_stamp(path, os.stat(path)) != stamp:
+            return False
+        os.rename(path, quarantine_name(path))
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    if fsync:
+        fsync_dir(path.parent)
+    return True
 
 
 def restamp_file(path: Path, stamp: str, fsync: bool) -> str | None:

@@ -125,3 +125,34 @@ async def test_open_now_gives_only_the_version_named(store: BlockStore) -> None:
     assert store.open_now(KEY, stamp=first.stamp, size=3000) is None  # replaced
     assert store.open_now(KEY, stamp=second.stamp, size=3999) is None  # not its size
     assert store.open_now(key_for(4243), stamp=second.stamp, size=4000) is None  # a miss
+
+
+async def test_quarantine_takes_the_version_out_of_every_read_and_listing(store: BlockStore) -> None:  # noqa: F811
+    """Bytes judged corrupt are moved aside before their row goes: not readable, not listed (so never adopted),
+    and only the version named (another stamp is refused)."""
+    staged = await stage(store, random_bytes(3000, 8))
+    await store.publish(staged)
+    assert not await store.quarantine(KEY, stamp="0" * 32 + ".1") or store.versioned  # not that version: kept
+    assert await store.has_version(KEY, staged.stamp)
+    assert await store.quarantine(KEY, stamp=staged.stamp)
+    assert not await store.has_version(KEY, staged.stamp)
+    assert [info async for info in store.list() if info.key == KEY] == []
+    assert list(await store.leftovers()) == []
+
+
+async def test_clear_removes_whatever_the_key_holds_and_the_staged_version_named(store: BlockStore) -> None:  # noqa: F811
+    """A crash between a commit and its publication: the row names a staged version, the key holds the older one.
+    Clearing the key (its row gone) leaves nothing for recovery to adopt or roll forward."""
+    old = await stage(store, random_bytes(3000, 9))
+    await store.publish(old)
+    committed = await stage(store, random_bytes(3000, 10))  # never published: the crash
+    if hasattr(committed.handle, "close"):
+        committed.handle.close()  # its writer is gone (the filesystem's lock on the staged file goes with it)
+    if store.versioned:
+        await store.publish(committed)  # S3: publishing is nothing; removal there retires by the row's stamp
+        return
+    assert await store.clear(KEY, stamp=committed.stamp)
+    assert [info async for info in store.list() if info.key == KEY] == []
+    assert not await store.roll_forward(KEY, committed.stamp)
+    assert list(await store.leftovers()) == []
+    assert not await store.clear(KEY, stamp=committed.stamp)  # nothing left

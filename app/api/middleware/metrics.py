@@ -125,6 +125,25 @@ class ServiceCollector(Collector):
         yield GaugeMetricFamily("kvgate_usage_blocks", "stored blocks", cap.usage.blocks)
         if cap.max_bytes is not None:
             yield GaugeMetricFamily("kvgate_max_bytes", "capacity bound", cap.max_bytes)
+        scrub = core.scrub
+        yield CounterMetricFamily(
+            "kvgate_scrub_blocks", "blocks the scrub read back and found intact", scrub.blocks_checked
+        )
+        yield CounterMetricFamily("kvgate_scrub_bytes", "bytes the scrub read back", scrub.bytes_checked)
+        yield CounterMetricFamily(
+            "kvgate_scrub_corrupt", "blocks the scrub found corrupt (quarantined, rows removed)", scrub.corrupt_found
+        )
+        yield CounterMetricFamily("kvgate_scrub_passes", "whole scrub passes ended in this process", scrub.passes)
+        yield GaugeMetricFamily(
+            "kvgate_scrub_pass_done", "blocks checked so far in the current or last pass", scrub.pass_done
+        )
+        yield GaugeMetricFamily("kvgate_scrub_pass_blocks", "blocks in the current or last pass", scrub.pass_total)
+        if scrub.last_pass_end is not None:
+            yield GaugeMetricFamily(
+                "kvgate_scrub_last_pass_end_seconds",
+                "when this process's last scrub pass ended (Unix time)",
+                scrub.last_pass_end,
+            )
 
 
 def route_template(route: Any) -> str:

@@ -255,8 +255,11 @@ class GroupCommit:
     @contextlib.asynccontextmanager
     async def exclusive(self, name: str, *, poll_s: float = 0.05) -> AsyncIterator[None]:
         """A section one process at a time runs across every gateway sharing this index: on PostgreSQL an advisory
-        lock held on a connection of its own for the section's length (polled every ``poll_s``, so a caller can
-        time out); on SQLite nothing (its processes share a machine, where the coordination file serves)."""
+        lock of a transaction held open on a connection of its own for the section's length (polled every
+        ``poll_s``, so a caller can time out); on SQLite nothing (its processes share a machine, where the
+        coordination file serves). The lock is the transaction's, not the session's: it ends with the transaction
+        however the section ends (rolled back; or, if the rollback fails or is cancelled, the connection is
+        discarded, which ends it on the server), so a pooled connection never keeps it held."""
         if self._dialect != "postgresql":
             yield
             return
@@ -264,16 +267,21 @@ class GroupCommit:
 
         async def take(conn: Any) -> None:
             # polled (no event tells of another session's unlock), so that the caller's timeout can end the wait
-            while not (await conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": key})).scalar():  # noqa: ASYNC110
+            lock = text("SELECT pg_try_advisory_xact_lock(:k)")
+            while not (await conn.execute(lock, {"k": key})).scalar():  # noqa: ASYNC110
                 await asyncio.sleep(poll_s)
 
         async with self.engine.connect() as conn:
-            await guard(take(conn), "lock")
             try:
+                await guard(take(conn), "lock")
                 yield
             finally:
-                with contextlib.suppress(Exception):  # a dropped connection releases it all the same
-                    await conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": key})
+                try:
+                    await conn.rollback()
+                except BaseException:
+                    with contextlib.suppress(BaseException):
+                        await conn.invalidate()  # its transaction's end unknown: never back to the pool
+                    raise
 
     def _insert(self, table: Any) -> Any:
         """An INSERT of the index's dialect (both have ON CONFLICT, which the portable insert lacks)."""

@@ -33,6 +33,8 @@ class PgFaultProxy:
         self.down_after_loss = False
         """After a lost reply, the server is unreachable (``down``) until ``heal``: the change's read back fails."""
         self.down = False
+        self.hold_s = 0.0
+        """The reply to each COMMIT is held this long before it is passed on (the server has committed meanwhile)."""
         self.commits = 0
         self.lost = 0
         self._open: set[asyncio.Task[None]] = set()
@@ -68,6 +70,8 @@ class PgFaultProxy:
 
     def heal(self) -> None:
         self.down = False
+        self.hold_s = 0.0
+        """The reply to each COMMIT is held this long before it is passed on (the server has committed meanwhile)."""
 
     def _lose_this_one(self) -> bool:
         self.commits += 1
@@ -102,6 +106,7 @@ class PgFaultProxy:
             client_w.close()
             return
         losing = asyncio.Event()
+        holding = asyncio.Event()
 
         async def client_to_server() -> None:
             typed = False
@@ -114,8 +119,11 @@ class PgFaultProxy:
                 body = await client_r.readexactly(int.from_bytes(head, "big") - 4)
                 if not typed:
                     typed = int.from_bytes(body[:4], "big") not in _UNTYPED_REQUESTS
-                elif _is_commit(kind, body) and self._lose_this_one():
-                    losing.set()
+                elif _is_commit(kind, body):
+                    if self._lose_this_one():
+                        losing.set()
+                    elif self.hold_s > 0:
+                        holding.set()
                 server_w.write(kind + head + body)
                 await server_w.drain()
 
@@ -129,6 +137,9 @@ class PgFaultProxy:
                             self._went_down()
                         return
                     continue
+                if holding.is_set():
+                    await asyncio.sleep(self.hold_s)
+                    holding.clear()
                 client_w.write(data)
                 await client_w.drain()
 

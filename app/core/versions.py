@@ -301,10 +301,7 @@ class Change:
             raise unknown
         if not swap.written:
             return swap  # the transaction changed nothing: its answer holds whatever became of it
-        try:
-            now = await self._v.index.settled(self.key)
-        except IndexUnavailable as exc:
-            raise unknown from exc
+        now = await self._settled(unknown)
         if now is not None and now.stamp is not None and now.stamp == record.stamp:
             log.warning("commit reply lost, the row names this change's version: it stands key=%s", self.key)
             return swap
@@ -318,11 +315,20 @@ class Change:
             return None  # the transaction found nothing to remove
         if not isinstance(old, BlockRecord):
             raise unknown
-        try:
-            now = await self._v.index.settled(self.key)
-        except IndexUnavailable as exc:
-            raise unknown from exc
+        now = await self._settled(unknown)
         if now is None or now.stamp != old.stamp:
             log.warning("commit reply lost, the removed row is gone: the removal stands key=%s", self.key)
             return old
         raise IndexUnavailable(f"{self.key!r}: the removal's commit failed and the row is still there") from unknown
+
+    async def _settled(self, unknown: CommitUnknown) -> BlockRecord | None:
+        """The key's row read back after ``unknown`` (``unknown`` again if it cannot be read); usage is not read
+        from the index meanwhile (the commit may be there, and not yet in the view)."""
+        usage = self._v._usage
+        usage.settling += 1
+        try:
+            return await self._v.index.settled(self.key)
+        except IndexUnavailable as exc:
+            raise unknown from exc
+        finally:
+            usage.settling -= 1

@@ -7,6 +7,7 @@ DELETE of a present key)."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -168,3 +169,30 @@ def test_a_commit_that_cannot_be_read_back_is_kept_for_recovery(
         got = c.get(f"/v1/blocks/{key}")
         assert got.status_code == 200, got.text
         assert got.content == new and got.headers["etag"] == head.headers["etag"]
+
+
+def _usage_metric(c: httpx.Client) -> float:
+    """``kvgate_usage_bytes`` of /metrics: the process's usage view as it stands (no read of the index)."""
+    for line in c.get("/metrics").text.splitlines():
+        if line.startswith("kvgate_usage_bytes "):
+            return float(line.split()[1])
+    raise AssertionError("no kvgate_usage_bytes in /metrics")
+
+
+def test_usage_counts_a_commit_once_when_a_refresh_reads_it_first(proxied: tuple[Gateway, PgFaultProxy]) -> None:
+    """A PUT's transaction has committed on the server, its reply is slow to come (held by the proxy), and
+    /v1/stats reads usage from the index meanwhile (``Capacity.refresh``): the read includes the PUT, and the
+    PUT then adds its own bytes when its reply comes. Before, the view counted them twice until the next
+    refresh (8192 for one 4096-byte block): admission and eviction decided from it."""
+    gateway, proxy = proxied
+    data = random_bytes(BLOCK, 3)
+    with httpx.Client(base_url=gateway.url, timeout=60) as c, ThreadPoolExecutor(1) as pool:
+        assert _usage_metric(c) == 0
+        proxy.hold_s = 2.0
+        put = pool.submit(c.put, f"/v1/blocks/{key_for(44_000)}", content=data)
+        time.sleep(1.0)
+        assert c.get("/v1/stats").status_code == 200
+        assert put.result().status_code == 201
+        proxy.hold_s = 0.0
+        assert _usage_metric(c) == BLOCK
+        assert c.get("/v1/stats").json()["usage_bytes"] == BLOCK

@@ -177,6 +177,8 @@ class GroupCommit:
             if is_busy(exc) and self._rolled_back(trans):
                 return None  # the COMMIT met another process's lock: nothing was written
             self._drop_loop_held()
+            if not isinstance(exc, Exception):
+                raise  # cancelled (shutdown): the callers are too
             raise _CommitFailed(results) from exc
         trans.commit()  # SQLAlchemy's account of it: the driver has no transaction left, its commit does nothing
         return results
@@ -223,6 +225,8 @@ class GroupCommit:
                 self._release()
                 raise  # SQLite's lock, not the COMMIT's outcome: nothing was written
             self._release()
+            if not isinstance(exc, Exception):
+                raise
             raise _CommitFailed(results) from exc
         return results
 

@@ -18,6 +18,7 @@ import pytest
 from tests.conftest import key_for, matches, random_bytes
 from tests.gateway import Gateway
 from tests.pg_proxy import PgFaultProxy
+from tests.services import MotoServer, unique_bucket
 
 BLOCK = 4096
 THREADS = 8
@@ -42,11 +43,16 @@ class Outcomes:
         self.answers["unknown"] += 1
 
 
-@pytest.fixture
-def proxied(tmp_path: Path, pg_db: str) -> Iterator[tuple[Gateway, PgFaultProxy]]:
+@pytest.fixture(params=["fs", "s3"])
+def proxied(request: pytest.FixtureRequest, tmp_path: Path, pg_db: str) -> Iterator[tuple[Gateway, PgFaultProxy]]:
+    """A gateway whose index is PostgreSQL through the fault proxy, its blocks on the filesystem or on S3 (moto)."""
     upstream = int(pg_db.rsplit(":", 1)[1].split("/", 1)[0])
     proxy = PgFaultProxy(upstream_port=upstream, seed=41).start()
-    gateway = Gateway(tmp_path / "data", env={"KVGATE_DB_URL": proxy.url_for(pg_db)})
+    env = {"KVGATE_DB_URL": proxy.url_for(pg_db)}
+    if request.param == "s3":
+        server: MotoServer = request.getfixturevalue("moto_server")
+        env |= server.backend_env(bucket=unique_bucket(), prefix="kv")
+    gateway = Gateway(tmp_path / "data", env=env)
     try:
         gateway.start()
         yield gateway, proxy

@@ -149,14 +149,22 @@ class PartAssembler:
                     return PartOutcome(path, span, stored.digest, True, False, existing.digest)
                 try:
                     outcome, keep = await self._record(change, key, span, stored.digest, store_key, parts)
-                except CommitUnknown:
-                    keep = True  # a row may name the part's object: the sweep of idle uploads settles it
+                except BaseException:
+                    keep = await self._named(path, store_key)  # recorded, then the assembly failed: kept
                     raise
                 return outcome
         finally:
             if not keep:
                 with contextlib.suppress(Exception):
                     await self._store.delete(store_key)
+
+    async def _named(self, path: str, store_key: str) -> bool:
+        """A part row of ``path`` names ``store_key`` (read as ``Versions`` reads a row back); True when that cannot
+        be read (the object is kept: the sweep of idle uploads drops it with its row, or as an unnamed leftover)."""
+        try:
+            return any(p.store_key == store_key for p in await self._index.settled_parts(path))
+        except IndexUnavailable:
+            return True
 
     async def _put_in_place(
         self, key: BlockKey, body: AsyncIterable[bytes], *, span: ByteSpan, part_digest: str | None

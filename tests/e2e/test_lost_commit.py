@@ -6,6 +6,7 @@ DELETE of a present key)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ import pytest
 from tests.conftest import key_for, matches, random_bytes
 from tests.gateway import Gateway
 from tests.pg_proxy import PgFaultProxy
-from tests.services import MotoServer, unique_bucket
+from tests.services import MotoServer, asyncpg_dsn, unique_bucket
 
 BLOCK = 4096
 THREADS = 8
@@ -202,3 +203,50 @@ def test_usage_counts_a_commit_once_when_a_refresh_reads_it_first(proxied: tuple
         proxy.hold_s = 0.0
         assert _usage_metric(c) == BLOCK
         assert c.get("/v1/stats").json()["usage_bytes"] == BLOCK
+
+
+def test_a_part_whose_object_did_not_commit_keeps_its_data(tmp_path: Path, pg_db: str, moto_server: MotoServer) -> None:
+    """On S3 each part is an object of its own. The last part is recorded (its transaction commits), then the
+    object's COMMIT fails on the server (a deferred trigger raises: nothing committed); the PUT answers 503. The
+    part's row stays, so its object must too. Before, the PUT's clean-up deleted the object of its recorded part:
+    the writer's re-sent part was recognised as recorded, the assembly found its object gone, and the PUT answered
+    404 (the object could never complete)."""
+    env = {**moto_server.backend_env(bucket=unique_bucket(), prefix="kv"), "KVGATE_DB_URL": pg_db}
+    gateway = Gateway(tmp_path / "data", env=env).start()
+    key, blob = key_for(45_000), random_bytes(2 * BLOCK, 45)
+    try:
+        with httpx.Client(base_url=gateway.url, timeout=60) as c:
+
+            def part(start: int) -> httpx.Response:
+                headers = {"Content-Range": f"bytes {start}-{start + BLOCK - 1}/{2 * BLOCK}"}
+                return c.put(f"/v1/blocks/{key}", content=blob[start : start + BLOCK], headers=headers)
+
+            assert part(0).status_code == 202
+            asyncio.run(
+                _sql(
+                    pg_db,
+                    "CREATE FUNCTION test_refuse() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+                    "RAISE EXCEPTION 'refused at commit'; END $$",
+                    "CREATE CONSTRAINT TRIGGER test_refuse_blocks AFTER INSERT ON blocks DEFERRABLE INITIALLY "
+                    "DEFERRED FOR EACH ROW EXECUTE FUNCTION test_refuse()",
+                )
+            )
+            assert part(BLOCK).status_code == 503
+            asyncio.run(_sql(pg_db, "DROP TRIGGER test_refuse_blocks ON blocks"))
+            again = part(BLOCK)
+            assert again.status_code in (200, 201), again.text
+            got = c.get(f"/v1/blocks/{key}")
+            assert got.status_code == 200 and got.content == blob and matches(got.headers["etag"], blob)
+    finally:
+        gateway.stop()
+
+
+async def _sql(db_url: str, *statements: str) -> None:
+    import asyncpg  # type: ignore[import-untyped]
+
+    conn = await asyncpg.connect(asyncpg_dsn(db_url))
+    try:
+        for statement in statements:
+            await conn.execute(statement)
+    finally:
+        await conn.close()

@@ -70,6 +70,16 @@ class IndexUnavailable(KVGateError):
     """The index database cannot be reached, is locked or failed; retry later (503)."""
 
 
+class CommitUnknown(IndexUnavailable):
+    """An index transaction's COMMIT failed (the connection dropped with it, the reply was lost): it may have
+    committed or not. ``result`` is what the transaction's statements returned before it, as if it had. Its caller
+    never runs it again on a guess: it reads the key's row again (``Index.settled``) and decides from that."""
+
+    def __init__(self, message: str, *, result: object) -> None:
+        super().__init__(message)
+        self.result = result
+
+
 class InsufficientStorage(KVGateError):
     """The store is full (ENOSPC) or the capacity bound leaves no room (507)."""
 

@@ -32,5 +32,20 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.drop_index("ix_event_log_config", table_name="event_log")
-    with op.batch_alter_table("event_log") as batch:
+    # SQLite rebuilds the table to drop a column: it must keep AUTOINCREMENT and the ids already handed out, or a
+    # trimmed log hands out ids below the publisher's last one again (PostgreSQL's sequence is not touched)
+    bind = op.get_bind()
+    sqlite = bind.dialect.name == "sqlite"
+    handed_out = _sqlite_sequence(bind) if sqlite else 0
+    with op.batch_alter_table("event_log", table_kwargs={"sqlite_autoincrement": True}) as batch:
         batch.drop_column("model")
+    if sqlite:
+        seq = max(handed_out, _sqlite_sequence(bind))
+        bind.execute(sa.text("DELETE FROM sqlite_sequence WHERE name = 'event_log'"))
+        bind.execute(sa.text("INSERT INTO sqlite_sequence (name, seq) VALUES ('event_log', :seq)"), {"seq": seq})
+
+
+def _sqlite_sequence(bind: sa.Connection) -> int:
+    """The last event-log id SQLite handed out (0: none yet)."""
+    seq = bind.execute(sa.text("SELECT seq FROM sqlite_sequence WHERE name = 'event_log'")).scalar()
+    return int(seq or 0)

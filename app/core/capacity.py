@@ -64,14 +64,13 @@ class Capacity:
     # -- lifecycle -------------------------------------------------------------------------------------------
 
     async def refresh(self) -> Usage:
-        """Read usage from the index (exact as of the last commit of any process); the view, refreshed. A read
-        that a commit of this process overlapped may or may not include it: it is read again (a few times)."""
-        for _ in range(3):
-            moves = self.usage.moves
-            rows = await self._index.usage_by_namespace()
-            if self.usage.moves == moves:
-                break
-        self.usage.reset(rows)
+        """Read usage from the index (exact as of the last commit of any process); the view, refreshed. The read
+        is ordered with this process's commits (``Index.usage_by_namespace``), so none is counted twice; while a
+        commit's outcome is being settled (``Usage.settling``) the view is kept as it is (it moves by that commit
+        once known)."""
+        rows = await self._index.usage_by_namespace()
+        if not self.usage.settling:
+            self.usage.reset(rows)
         return self.usage
 
     async def start(self) -> None:

@@ -37,7 +37,7 @@ from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 
 from app.core.versions import Change, Versions
-from app.errors import BlockNotFound, Conflict, DigestMismatch, SizeMismatch
+from app.errors import BlockNotFound, CommitUnknown, Conflict, DigestMismatch, IndexUnavailable, SizeMismatch
 from app.index import Index, PartRecord
 from app.storage import BlockStore
 from app.storage.base import BodyChecker, Region
@@ -147,12 +147,24 @@ class PartAssembler:
                 existing, parts = await self._index.part_state(path)
                 if existing is not None:  # completed by another writer while our bytes streamed
                     return PartOutcome(path, span, stored.digest, True, False, existing.digest)
-                outcome, keep = await self._record(change, key, span, stored.digest, store_key, parts)
+                try:
+                    outcome, keep = await self._record(change, key, span, stored.digest, store_key, parts)
+                except BaseException:
+                    keep = await self._named(path, store_key)  # recorded, then the assembly failed: kept
+                    raise
                 return outcome
         finally:
             if not keep:
                 with contextlib.suppress(Exception):
                     await self._store.delete(store_key)
+
+    async def _named(self, path: str, store_key: str) -> bool:
+        """A part row of ``path`` names ``store_key`` (read as ``Versions`` reads a row back); True when that cannot
+        be read (the object is kept: the sweep of idle uploads drops it with its row, or as an unnamed leftover)."""
+        try:
+            return any(p.store_key == store_key for p in await self._index.settled_parts(path))
+        except IndexUnavailable:
+            return True
 
     async def _put_in_place(
         self, key: BlockKey, body: AsyncIterable[bytes], *, span: ByteSpan, part_digest: str | None
@@ -203,7 +215,10 @@ class PartAssembler:
             record = PartRecord(
                 key=path, start=span.start, end=span.end, total=span.total, digest=digest, store_key=store_key
             )
-            recorded = await self._index.add_part(record, namespace=key.namespace)
+            try:
+                recorded = await self._index.add_part(record, namespace=key.namespace)
+            except CommitUnknown as exc:
+                recorded = await self._settle_part(record, exc)
             if recorded is None:  # another replica recorded this start first
                 raise Conflict(f"a part starting at byte {span.start} was recorded concurrently")
             keep = True
@@ -213,6 +228,22 @@ class PartAssembler:
             return PartOutcome(path, span, digest, False, same is None, None), keep
         total = await self._assemble(change, key, parts, span.total)
         return PartOutcome(path, span, digest, True, same is None, total), keep
+
+    async def _settle_part(self, record: PartRecord, unknown: CommitUnknown) -> list[PartRecord] | None:
+        """The key's parts if the part whose recording's outcome is unknown is among them, read back as
+        ``Versions`` reads a row back (the same "is it mine?"); IndexUnavailable if it is not, ``unknown`` again if
+        they cannot be read."""
+        if unknown.result is None:
+            return None  # the transaction found the start taken: it recorded nothing
+        try:
+            parts = await self._index.settled_parts(record.key)
+        except IndexUnavailable as exc:
+            raise unknown from exc
+        mine = (record.start, record.end, record.digest, record.store_key)
+        if any((p.start, p.end, p.digest, p.store_key) == mine for p in parts):
+            log.warning("commit reply lost, the part is recorded: it stands key=%s start=%d", record.key, record.start)
+            return parts
+        raise IndexUnavailable(f"{record.key!r}: the part's commit failed and it is not recorded") from unknown
 
     async def _already_complete(
         self,
@@ -253,7 +284,10 @@ class PartAssembler:
                 return record.digest
             raise
         await change.commit(key, staged)
-        await self.drop(path, parts)
+        try:
+            await self.drop(path, parts)
+        except IndexUnavailable as exc:  # the object stands: its parts go with the idle uploads' sweep
+            log.warning("assembled key=%s, its parts stay for the sweep: %s", path, exc)
         log.info("assembled key=%s parts=%d size=%d", path, len(parts), total)
         return staged.meta.digest
 

@@ -18,8 +18,8 @@ class Usage:
     by_namespace: dict[str, list[int]] = field(default_factory=dict)
     grew: asyncio.Event = field(default_factory=asyncio.Event)
     """Set when a commit of this process added bytes (cleared by whoever waits on it)."""
-    moves: int = 0
-    """Commits counted so far (a reader of the index can tell whether one landed while it read)."""
+    settling: int = 0
+    """Commits whose outcome is being read back (``Versions``): one may be in the index and not yet in the view."""
 
     def reset(self, rows: dict[str, tuple[int, int]]) -> None:
         """The figures read from the index: ``namespace -> (blocks, bytes)``."""
@@ -29,7 +29,6 @@ class Usage:
 
     def add(self, *, namespace: str, blocks: int, nbytes: int) -> None:
         """A commit moved usage by exactly this much."""
-        self.moves += 1
         self.blocks += blocks
         self.bytes += nbytes
         slot = self.by_namespace.setdefault(namespace, [0, 0])

@@ -15,6 +15,13 @@ hands out a ``Change``. A ``Change`` does one thing at a time, in one order:
    the object). If publishing fails the row stays: the version is committed, and recovery rolls it forward
    (``BlockStore.roll_forward``) rather than back, so HEAD, lookup and GET never go back in the key's history.
 
+A commit whose outcome is unknown (the index's COMMIT failed: the connection dropped with it, its reply was lost;
+``CommitUnknown``) is never run again and never undone on a guess: the key's row is read back (``Index.settled``,
+which waits for the transaction to end). If it names this change's version the change stands, and goes on to step
+3 as if the reply had come; if it does not, nothing was written, the staged data is dropped and the change fails
+(503); if the row cannot be read, the staged version is kept for recovery (``BlockStore.release``: published if the
+row names it, dropped if not) and the change fails (503). A removal asks the same of its row: gone, or not.
+
 Removal is the same in reverse: the row goes first (only if it names the version expected), then whatever data
 the key holds (its file, whichever version, and the staged version the row named, which a crash may have left
 unpublished), durably (the filesystem fsyncs the directory) before the change returns. Events and the usage figures move
@@ -34,8 +41,8 @@ from dataclasses import dataclass
 from app.core.events import NO_EVENTS, EventSink
 from app.core.keystate import KeyLocks, MetaCache
 from app.core.usage import Usage
-from app.errors import BackendUnavailable, KVGateError
-from app.index import ANY, BlockRecord, Expect, Index
+from app.errors import BackendUnavailable, CommitUnknown, IndexUnavailable, KVGateError
+from app.index import ANY, BlockRecord, Expect, Index, Swap
 from app.storage import BlockStore
 from app.storage.base import Staged, Version
 from app.storage.checksums import Chunks
@@ -228,6 +235,15 @@ class Change:
         record = row_for(key, staged.meta, stamp=staged.stamp, created_at=time.time())
         try:
             swap = await v.index.swap_block(record, expect=expect, note=v._events.note(key.path))
+        except CommitUnknown as exc:
+            try:
+                swap = await self._settle_swap(record, exc)
+            except CommitUnknown:
+                await v.store.release(staged)  # for recovery to publish or drop, by the row
+                raise
+            except BaseException:
+                await v.discard(staged)
+                raise
         except BaseException:
             await v.discard(staged)
             raise
@@ -248,7 +264,10 @@ class Change:
         on disk when the row's own is gone), if the row is what ``expect`` says."""
         v = self._v
         record = row_for(key, stored, stamp=stored.stamp, created_at=time.time() if created_at is None else created_at)
-        swap = await v.index.swap_block(record, expect=expect, note=v._events.note(key.path))
+        try:
+            swap = await v.index.swap_block(record, expect=expect, note=v._events.note(key.path))
+        except CommitUnknown as exc:
+            swap = await self._settle_swap(record, exc)
         if not swap.written:
             return Committed(meta=meta_of(swap.old) if swap.old else meta_of(record), old=swap.old, written=False)
         if swap.old is None or (swap.old.digest, swap.old.size) != (record.digest, record.size):
@@ -262,7 +281,10 @@ class Change:
         the error propagates (the row is gone; the data is adopted again unless the removal is retried), so that
         nobody is told of a removal that a restart could undo."""
         v = self._v
-        old = await v.index.remove_block(self.key, expect=expect)
+        try:
+            old = await v.index.remove_block(self.key, expect=expect)
+        except CommitUnknown as exc:
+            old = await self._settle_removal(exc)
         if old is None:
             return None
         v._removed(old)
@@ -274,3 +296,43 @@ class Change:
             # again (an open reader's fd keeps its inode)
             await v.store.clear(self.key, stamp=old.stamp)
         return old
+
+    async def _settle_swap(self, record: BlockRecord, unknown: CommitUnknown) -> Swap:
+        """The swap whose commit's outcome is unknown, if the key's row read back names its version; otherwise
+        IndexUnavailable (nothing was written), or ``unknown`` again if the row cannot be read."""
+        swap = unknown.result
+        if not isinstance(swap, Swap):
+            raise unknown
+        if not swap.written:
+            return swap  # the transaction changed nothing: its answer holds whatever became of it
+        now = await self._settled(unknown)
+        if now is not None and now.stamp is not None and now.stamp == record.stamp:
+            log.warning("commit reply lost, the row names this change's version: it stands key=%s", self.key)
+            return swap
+        raise IndexUnavailable(f"{self.key!r}: the commit failed and the row does not name its version") from unknown
+
+    async def _settle_removal(self, unknown: CommitUnknown) -> BlockRecord | None:
+        """The row a removal whose commit's outcome is unknown took away, if the key's row read back is gone (or
+        names another version); otherwise IndexUnavailable (nothing was removed), or ``unknown`` again."""
+        old = unknown.result
+        if old is None:
+            return None  # the transaction found nothing to remove
+        if not isinstance(old, BlockRecord):
+            raise unknown
+        now = await self._settled(unknown)
+        if now is None or now.stamp != old.stamp:
+            log.warning("commit reply lost, the removed row is gone: the removal stands key=%s", self.key)
+            return old
+        raise IndexUnavailable(f"{self.key!r}: the removal's commit failed and the row is still there") from unknown
+
+    async def _settled(self, unknown: CommitUnknown) -> BlockRecord | None:
+        """The key's row read back after ``unknown`` (``unknown`` again if it cannot be read); usage is not read
+        from the index meanwhile (the commit may be there, and not yet in the view)."""
+        usage = self._v._usage
+        usage.settling += 1
+        try:
+            return await self._v.index.settled(self.key)
+        except IndexUnavailable as exc:
+            raise unknown from exc
+        finally:
+            usage.settling -= 1

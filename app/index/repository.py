@@ -43,6 +43,9 @@ from app.index.scans import Scans
 log = logging.getLogger("kvgate.index")
 T = TypeVar("T")
 GET_MANY_CHUNK = 5000
+SETTLE_WAIT_S = 10.0
+"""``Index.settled`` waits at most this long for a transaction holding the key (a COMMIT the server has not yet
+finished, or a connection it has not yet found dropped) before it gives up (IndexUnavailable: still unknown)."""
 
 
 class Index(Scans, EventLogOps):
@@ -168,6 +171,33 @@ class Index(Scans, EventLogOps):
         self._access.pop(key, None)
         removed: BlockRecord | None = await self._write(run, point=True)
         return removed
+
+    async def settled(self, key: str) -> BlockRecord | None:
+        """The row of ``key`` once no transaction holds the key any more, for a change whose commit's outcome is
+        unknown (``CommitUnknown``): on PostgreSQL the read first takes the key's lock, which a transaction that
+        changed the row holds until it has committed or rolled back, so the read sees its outcome; SQLite's COMMIT
+        has ended, one way or the other, when it returns. IndexUnavailable if it cannot be read (within
+        ``SETTLE_WAIT_S``)."""
+
+        def q(conn: Connection) -> BlockRecord | None:
+            self._lock_settled(conn, key)
+            return self._current(conn, key)
+
+        return await self._read(q, "read back")
+
+    async def settled_parts(self, key: str) -> list[PartRecord]:
+        """The parts of ``key``, read as ``settled`` reads its row."""
+
+        def q(conn: Connection) -> list[PartRecord]:
+            self._lock_settled(conn, key)
+            return _parts_of(conn, key)
+
+        return await self._read(q, "read back")
+
+    def _lock_settled(self, conn: Connection, key: str) -> None:
+        if self._dialect == "postgresql":
+            conn.execute(text(f"SET LOCAL lock_timeout = {int(SETTLE_WAIT_S * 1000)}"))
+            self._lock_key(conn, key)
 
     @functools.cached_property
     def _get_bound(self) -> Any:

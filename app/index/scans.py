@@ -30,9 +30,12 @@ class Scans(GroupCommit):
         def q(conn: Connection) -> dict[str, tuple[int, int]]:
             return {r[0]: (int(r[1]), int(r[2])) for r in conn.execute(stmt) if r[1] or r[2]}
 
-        # one hop to a reader thread (SQLite): the capacity loop reads it every few seconds, and through the async
-        # engine each statement was several round trips through the event loop
-        return await self._read(q)
+        # through the group commit, in its order: this process's changes committed before the read are in it and
+        # have moved the caller's view (each moves it as its commit returns, before the read's caller resumes),
+        # those after are not; a read beside the writer could count a change its view then moved by again. One hop
+        # to the writer thread on SQLite (through the async engine each statement was several round trips)
+        result: dict[str, tuple[int, int]] = await self._write(q)
+        return result
 
     async def uploads(self, *, namespace: str | None = None) -> list[Upload]:
         """Every incomplete multi-part object, with its newest part's time (its last activity)."""

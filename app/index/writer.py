@@ -1,5 +1,8 @@
 """The index's one writer: a group-commit task. Concurrent writes share a transaction, and each caller returns only
-after the transaction holding its change has committed; a failing change is retried alone, so the rest commit.
+after the transaction holding its change has committed; a failing change is retried alone, so the rest commit. A
+transaction whose COMMIT itself fails (the connection dropped with it, its reply lost) may have committed: it is
+never run again, and each of its callers gets ``CommitUnknown`` with what its statements returned, to read its row
+back under its key and decide from that (app/core/versions.py).
 
 On SQLite a transaction of point writes (a block's swap or removal: a few statements on indexed pages, each some
 microseconds) runs its statements on the event loop and hands only its COMMIT, which writes and syncs the WAL, to a
@@ -25,7 +28,7 @@ from sqlalchemy import Connection, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.errors import IndexUnavailable
+from app.errors import CommitUnknown, IndexUnavailable
 from app.index.engine import WRITE_OPTION, blocking_twin, guard, is_busy
 from app.threads import Threads
 
@@ -37,6 +40,14 @@ INLINE_MAX = 64
 this many changes at once) runs whole on the writer thread, so that the loop never holds its SQL for long."""
 EXCLUSIVE = {"evict": 0x6B76_6761_7465_01, "events": 0x6B76_6761_7465_02}
 """PostgreSQL advisory lock keys of the named exclusive sections (``GroupCommit.exclusive``)."""
+
+
+class _CommitFailed(Exception):
+    """A transaction's statements ran (``results``) and its COMMIT failed: whether it committed is unknown."""
+
+    def __init__(self, results: list[Any]) -> None:
+        super().__init__("commit failed")
+        self.results = results
 
 
 class GroupCommit:
@@ -108,10 +119,15 @@ class GroupCommit:
             if results is None and self._twin is not None:
                 results = await asyncio.get_running_loop().run_in_executor(self._writer, self._blocking, run_all)
             elif results is None:
-                async with self.engine.connect() as conn:
-                    await conn.execution_options(**{WRITE_OPTION: True})
-                    async with conn.begin():
-                        results = await conn.run_sync(run_all)
+                results = await self._async(run_all)
+        except _CommitFailed as failed:  # outcome unknown: never run again, each caller reads its row back
+            cause = failed.__cause__
+            for (_, fut, _), result in zip(batch, failed.results, strict=True):
+                unknown = CommitUnknown(f"index commit failed, outcome unknown: {type(cause).__name__}", result=result)
+                unknown.__cause__ = cause
+                if not fut.done():
+                    fut.set_exception(unknown)
+            return
         except Exception as exc:
             if len(batch) > 1:  # isolate the failing op: the rest still commit
                 for item in batch:
@@ -150,13 +166,21 @@ class GroupCommit:
             results = run_all(conn)
             driver = conn.connection.dbapi_connection
             assert driver is not None
-            await self._committer.run(driver.commit)  # the WAL's write and sync, off the loop
-            trans.commit()  # SQLAlchemy's account of it: the driver has no transaction left, its commit does nothing
         except BaseException as exc:
             if not (is_busy(exc) and self._rolled_back(trans)):
                 self._drop_loop_held()
                 raise
             return None  # a statement met another process's lock: rolled back, run it on the writer thread
+        try:
+            await self._committer.run(driver.commit)  # the WAL's write and sync, off the loop
+        except BaseException as exc:
+            if is_busy(exc) and self._rolled_back(trans):
+                return None  # the COMMIT met another process's lock: nothing was written
+            self._drop_loop_held()
+            if not isinstance(exc, Exception):
+                raise  # cancelled (shutdown): the callers are too
+            raise _CommitFailed(results) from exc
+        trans.commit()  # SQLAlchemy's account of it: the driver has no transaction left, its commit does nothing
         return results
 
     @staticmethod
@@ -185,11 +209,45 @@ class GroupCommit:
             assert self._twin is not None
             conn = self._held = self._twin.connect().execution_options(**{WRITE_OPTION: True})
         try:
-            with conn.begin():
-                return run_all(conn)
+            trans = conn.begin()
+            try:
+                results = run_all(conn)
+            except BaseException:
+                trans.rollback()
+                raise
         except BaseException:
             self._release()
             raise
+        try:
+            trans.commit()
+        except BaseException as exc:
+            if is_busy(exc) and self._rolled_back(trans):
+                self._release()
+                raise  # SQLite's lock, not the COMMIT's outcome: nothing was written
+            self._release()
+            if not isinstance(exc, Exception):
+                raise
+            raise _CommitFailed(results) from exc
+        return results
+
+    async def _async(self, run_all: Callable[[Connection], list[Any]]) -> list[Any]:
+        """One transaction through the async engine (PostgreSQL); a failed COMMIT is ``_CommitFailed``."""
+        async with self.engine.connect() as conn:
+            await conn.execution_options(**{WRITE_OPTION: True})
+            trans = await conn.begin()
+            try:
+                results = await conn.run_sync(run_all)
+            except BaseException:
+                with contextlib.suppress(Exception):  # a dropped connection has rolled it back all the same
+                    await trans.rollback()
+                raise
+            try:
+                await trans.commit()
+            except Exception as exc:
+                with contextlib.suppress(Exception):
+                    await conn.invalidate()  # its state is unknown: never back to the pool
+                raise _CommitFailed(results) from exc
+            return results
 
     def _release(self) -> None:
         """Close the writer thread's connection (back to the pool), if it holds one."""
@@ -201,8 +259,11 @@ class GroupCommit:
     @contextlib.asynccontextmanager
     async def exclusive(self, name: str, *, poll_s: float = 0.05) -> AsyncIterator[None]:
         """A section one process at a time runs across every gateway sharing this index: on PostgreSQL an advisory
-        lock held on a connection of its own for the section's length (polled every ``poll_s``, so a caller can
-        time out); on SQLite nothing (its processes share a machine, where the coordination file serves)."""
+        lock of a transaction held open on a connection of its own for the section's length (polled every
+        ``poll_s``, so a caller can time out); on SQLite nothing (its processes share a machine, where the
+        coordination file serves). The lock is the transaction's, not the session's: it ends with the transaction
+        however the section ends (rolled back; or, if the rollback fails or is cancelled, the connection is
+        discarded, which ends it on the server), so a pooled connection never keeps it held."""
         if self._dialect != "postgresql":
             yield
             return
@@ -210,16 +271,21 @@ class GroupCommit:
 
         async def take(conn: Any) -> None:
             # polled (no event tells of another session's unlock), so that the caller's timeout can end the wait
-            while not (await conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": key})).scalar():  # noqa: ASYNC110
+            lock = text("SELECT pg_try_advisory_xact_lock(:k)")
+            while not (await conn.execute(lock, {"k": key})).scalar():  # noqa: ASYNC110
                 await asyncio.sleep(poll_s)
 
         async with self.engine.connect() as conn:
-            await guard(take(conn), "lock")
             try:
+                await guard(take(conn), "lock")
                 yield
             finally:
-                with contextlib.suppress(Exception):  # a dropped connection releases it all the same
-                    await conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": key})
+                try:
+                    await conn.rollback()
+                except BaseException:
+                    with contextlib.suppress(BaseException):
+                        await conn.invalidate()  # its transaction's end unknown: never back to the pool
+                    raise
 
     def _insert(self, table: Any) -> Any:
         """An INSERT of the index's dialect (both have ON CONFLICT, which the portable insert lacks)."""

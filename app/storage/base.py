@@ -176,6 +176,12 @@ class BlockStore(Protocol):
         await reader.aclose()
         return True
 
+    async def release(self, staged: Staged) -> None:
+        """Let go of a staged version, neither published nor dropped: the commit of the row naming it has an unknown
+        outcome. Recovery publishes it if the key's row names it and drops it if not (the filesystem: a staged file
+        no writer holds; S3: the row names the object, or reconcile removes it unnamed). Default: nothing to do."""
+        return None
+
     async def roll_forward(self, key: str, stamp: str) -> bool:
         """Publish version ``stamp`` of ``key`` if it was staged and never published (a crash between the index
         commit naming it and its publication); False if there is no such staged version. Default: publishing is

@@ -350,6 +350,13 @@ class FilesystemStore(BlockStore):
 
         await io(drop, what="discard", inline=self._inline_write(staged.meta.size))
 
+    async def release(self, staged: Staged) -> None:
+        """Close the staged file, which releases its writer's lock: a leftover for recovery (``roll_forward`` if the
+        row names it, ``drop_leftover`` if not)."""
+        temp = staged.handle
+        assert isinstance(temp, _Temp)
+        await io(temp.close, what="release", inline=True)
+
     async def remove(self, key: str, *, stamp: str | None) -> bool:
         """Unlink the key's file if it is version ``stamp`` (None: whatever is there), then fsync its directory:
         an acknowledged removal survives a power loss."""

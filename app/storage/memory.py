@@ -37,6 +37,8 @@ class MemoryStore(BlockStore):
         self._objects: dict[str, tuple[bytes, float, str]] = {}
         self._chunk = chunk_bytes
         self._versions = itertools.count(1)
+        self._released: dict[tuple[str, str], bytes] = {}
+        """Staged versions let go of with their commit's outcome unknown (``release``), for ``roll_forward``."""
 
     async def start(self) -> None:
         return None
@@ -80,6 +82,16 @@ class MemoryStore(BlockStore):
 
     async def discard(self, staged: Staged) -> None:
         return None
+
+    async def release(self, staged: Staged) -> None:
+        self._released[(staged.key, staged.stamp)] = cast(bytes, staged.handle)
+
+    async def roll_forward(self, key: str, stamp: str) -> bool:
+        data = self._released.pop((key, stamp), None)
+        if data is None:
+            return False
+        self._objects[key] = (data, time.time(), stamp)
+        return True
 
     async def remove(self, key: str, *, stamp: str | None) -> bool:
         """Remove the key's object if it is version ``stamp`` (None: whatever is there)."""

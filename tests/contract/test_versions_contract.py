@@ -82,6 +82,20 @@ async def test_a_discarded_version_leaves_nothing(store: BlockStore) -> None:  #
     assert list(await store.leftovers()) == []
 
 
+async def test_a_released_version_is_left_for_recovery(store: BlockStore) -> None:  # noqa: F811
+    """A staged version let go of with its commit's outcome unknown (``release``) stays where recovery finds it:
+    published by ``roll_forward`` when the row names it (on S3 the row names the object itself)."""
+    data = random_bytes(3000, 9)
+    staged = await stage(store, data)
+    await store.release(staged)
+    if not store.versioned:
+        assert not await store.has_version(KEY, staged.stamp)  # not published by the release
+        assert await store.roll_forward(KEY, staged.stamp)
+    assert await store.has_version(KEY, staged.stamp)
+    async with await store.open(KEY, stamp=staged.stamp) as reader:
+        assert b"".join([bytes(c) async for c in reader.chunks(start=0, end=len(data))]) == data
+
+
 async def test_recovery_abilities_keep_what_they_declare(store: BlockStore) -> None:  # noqa: F811
     data = random_bytes(4000, 7)
     staged = await stage(store, data)

@@ -24,12 +24,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connector.client import BlockClient, ClientConfig
+from connector.cost import CostModel, LoadOutcome
 from connector.layout import BackendLayout, layer_views
 from connector.pipeline import WorkerPipeline
 from connector.plan import KeyScheme, SchedulerPlanner, StepPlan
@@ -53,6 +55,21 @@ log = logging.getLogger("kvgate.connector.vllm")
 class KVGateConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]  # vllm is untyped here
     def __init__(self, plan: StepPlan) -> None:
         self.plan = plan
+
+
+class KVGateWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """Worker -> scheduler, per step: what the loads that ended measured (for the cost model)."""
+
+    def __init__(self, outcomes: dict[str, LoadOutcome]) -> None:
+        self.outcomes = outcomes
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, KVGateWorkerMetadata):
+            return self
+        merged = dict(self.outcomes)
+        for req_id, outcome in other.outcomes.items():
+            merged[req_id] = merged[req_id].merge(outcome) if req_id in merged else outcome
+        return KVGateWorkerMetadata(merged)
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +201,9 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 lookup_wait_s=settings.lookup_wait_ms / 1000,
                 load_enabled=self.shape.movable and settings.load,
                 store_enabled=self.shape.movable and settings.store,
+                cost=CostModel(settings.cost_settings()),
+                block_bytes=self.shape.block_bytes * max(1, len(self.shape.groups)),
+                lookup_deadline_s=settings.lookup_deadline_ms / 1000,
             )
 
     @property
@@ -222,6 +242,10 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 self._recompute.add(req_id)
         for req_id in connector_output.finished_recving or ():
             self._load_blocks.pop(req_id, None)
+        meta = connector_output.kv_connector_worker_meta
+        if self.planner is not None and isinstance(meta, KVGateWorkerMetadata):
+            for req_id, outcome in meta.outcomes.items():
+                self.planner.loaded(req_id=req_id, outcome=outcome)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if self.planner is None:
@@ -245,6 +269,7 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 replace=req_id in cached.resumed_req_ids,
             )
         self.planner.preempted(scheduler_output.preempted_req_ids or ())
+        self.planner.step(tokens=scheduler_output.total_num_scheduled_tokens)
         # nothing scheduled: the engine has nothing to do but wait for lookups and loads, so it waits for them
         # (bounded) instead of stepping again at once; a step with work never waits
         return KVGateConnectorMetadata(self.planner.build(idle=scheduler_output.total_num_scheduled_tokens == 0))
@@ -343,6 +368,12 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._loading.discard(req_id)
             self._load_errors |= failed
         return sending or None, recving or None
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self.pipeline is None:
+            return None
+        outcomes = self.pipeline.take_outcomes()
+        return KVGateWorkerMetadata(outcomes) if outcomes else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

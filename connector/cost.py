@@ -51,7 +51,7 @@ class CostSettings:
     alpha: float = 0.3
     """Weight of a new sample in the EWMAs."""
     deadline_factor: float = 2.0
-    min_deadline_s: float = 0.2
+    min_deadline_s: float = 0.5
     max_deadline_s: float = 5.0
     min_step_tokens: int = 256
     """A step with fewer tokens than this (decodes) says nothing about the prefill rate."""

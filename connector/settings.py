@@ -156,7 +156,7 @@ class ConnectorSettings(_ClientSettings):
     store: bool = True
     lookup_deadline_ms: float = 500.0
     """A request's lookup with no answer by then is a miss (the request is computed), never a longer wait."""
-    load_deadline_min_ms: float = 200.0
+    load_deadline_min_ms: float = 500.0
     load_deadline_max_ms: float = 5000.0
     """The longest a request waits for its load: the cost model loads the prefix that fits, and every deadline is
     at most this."""

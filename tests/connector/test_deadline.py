@@ -110,7 +110,7 @@ def test_a_stalled_gateway_costs_the_deadline_not_the_transfer_timeout(
     assert reader.take_outcomes()["r"].expired
 
 
-def planner(client: BlockClient, block_bytes: int, **cost: float) -> SchedulerPlanner:
+def planner(client: BlockClient, block_bytes: int, lookup_deadline_s: float = 5.0, **cost: float) -> SchedulerPlanner:
     settings = {"prefill_tokens_s": 16 * 100.0, "lookup_rtt_prior_s": 0.0} | cost  # a block recomputes in 10 ms
     return SchedulerPlanner(
         client=client,
@@ -119,7 +119,7 @@ def planner(client: BlockClient, block_bytes: int, **cost: float) -> SchedulerPl
         hash_block_size=BLOCK,
         cost=CostModel(CostSettings(**settings)),  # type: ignore[arg-type]
         block_bytes=block_bytes,
-        lookup_deadline_s=5.0,
+        lookup_deadline_s=lookup_deadline_s,
     )
 
 
@@ -175,3 +175,18 @@ def _outcome(*, nbytes: int, seconds: float):  # type: ignore[no-untyped-def]
     from connector.cost import LoadOutcome
 
     return LoadOutcome(loaded=0, nbytes=nbytes, seconds=seconds, expired=False)
+
+
+def test_a_slow_lookup_is_a_miss_not_a_wait(
+    gateway: Gateway, stored: tuple[dict[str, torch.Tensor], tuple[bytes, ...], int]
+) -> None:
+    """The gateway holds every answer: the request is a miss at the lookup deadline, not after the client's lookup
+    timeout and its retries (2 s, 4 attempts)."""
+    _src, hs, block_bytes = stored
+    with proxy(upstream_port=gateway.port, pass_bytes=0) as link, reader_client(link.url) as c:
+        p = planner(c, block_bytes, lookup_deadline_s=0.3)
+        started = time.monotonic()
+        assert matched(p, "r", hs) == 0
+        elapsed = time.monotonic() - started
+    assert 0.3 <= elapsed < 2.0, elapsed
+    assert p.stats.abandoned_lookups == 1 and p.stats.loads == 0

@@ -45,7 +45,7 @@ def main() -> None:
         try:
             base = engines.run("recompute", mode="inproc", prompts=[prompt])["results"][0]
             tokens = len(base["prompt_token_ids"])
-            rows["recompute"] = (base["wall_s"], base["output_token_ids"], 0.0)
+            rows["recompute"] = (base["wall_s"], base["token_ids"], 0.0)
             engines.run("store", mode="inproc", prompts=[prompt], url=gw.url, wait_blocks=[tokens // 32])
             for label, kw in (
                 ("healthy", None),
@@ -57,7 +57,7 @@ def main() -> None:
                 else:
                     with proxy(upstream_port=gw.port, **kw) as link:  # type: ignore[arg-type]
                         r = engines.run(label, mode="inproc", prompts=[prompt], url=link.url)["results"][0]
-                rows[label] = (r["wall_s"], r["output_token_ids"], r.get("external_hits", 0.0))
+                rows[label] = (r["wall_s"], r["token_ids"], r.get("external_hits", 0.0))
         finally:
             gw.stop()
     recompute = rows["recompute"][0]

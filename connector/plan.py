@@ -13,11 +13,12 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+import typing
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from connector.client import BlockClient, ConnectorError, LookupSlot
-from connector.cost import CostModel, Decision, LoadOutcome, Verdict
+from connector.cost import MIB, CostModel, Decision, LoadOutcome, Verdict
 from contract.keys import RunNaming, block_path
 from contract.wire import format_block_meta
 
@@ -94,6 +95,19 @@ class PlanStats:
     actual_load_s: float = 0.0
     last_reason: str = ""
 
+    COUNTERS: typing.ClassVar[tuple[str, ...]] = (
+        "loads",
+        "partial",
+        "skipped",
+        "abandoned",
+        "abandoned_lookups",
+        "predicted_load_s",
+        "actual_load_s",
+    )
+
+    def counters(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in self.COUNTERS}
+
 
 class KeyScheme:
     """Block paths for a run: the paths every writer rank uses, for lookups (one group index per KV group)."""
@@ -154,6 +168,7 @@ class SchedulerPlanner:
         self.block_bytes = block_bytes
         self.lookup_deadline_s = lookup_deadline_s
         self.stats = PlanStats()
+        self._reported: dict[str, float] = {}
         self._last_step: tuple[float, int] | None = None
         """(when, tokens) of the last step with work: the next step's start times it (the prefill rate)."""
         self._plan = StepPlan()
@@ -332,6 +347,17 @@ class SchedulerPlanner:
         plan, self._plan = self._plan, StepPlan()
         plan.idle = idle
         return plan
+
+    def report(self) -> dict[str, float]:
+        """What changed since the last report (counters), and the estimates now (``bandwidth_mib_s``,
+        ``prefill_tokens_s``); empty when nothing was decided or measured since."""
+        now = self.stats.counters()
+        delta = {k: v - self._reported.get(k, 0) for k, v in now.items() if v != self._reported.get(k, 0)}
+        self._reported = now
+        if delta and self.cost is not None:
+            delta["bandwidth_mib_s"] = self.cost.bandwidth(now=time.monotonic()) / MIB
+            delta["prefill_tokens_s"] = self.cost.prefill.value
+        return delta
 
     def step(self, *, tokens: int) -> None:
         """A step is being built with ``tokens`` scheduled: the time since the last step with work times it (the

@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -70,6 +71,30 @@ class KVGateWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
         for req_id, outcome in other.outcomes.items():
             merged[req_id] = merged[req_id].merge(outcome) if req_id in merged else outcome
         return KVGateWorkerMetadata(merged)
+
+
+GAUGES = frozenset({"bandwidth_mib_s", "prefill_tokens_s"})
+"""Of the stats below, the estimates: an interval keeps the latest; every other key is a count, summed."""
+
+
+@dataclass
+class KVGateStats(KVConnectorStats):  # type: ignore[misc]
+    """The scheduler's cost-model decisions for vLLM's periodic "KV Transfer metrics" log (connector/plan.py:
+    ``SchedulerPlanner.report``)."""
+
+    def reset(self) -> None:
+        self.data = dict[str, Any]()
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            self.data[key] = value if key in GAUGES else self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {k: round(v, 3) if isinstance(v, float) else v for k, v in self.data.items()}
+
+    def is_empty(self) -> bool:
+        return not self.data
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,6 +298,17 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         # nothing scheduled: the engine has nothing to do but wait for lookups and loads, so it waits for them
         # (bounded) instead of stepping again at once; a step with work never waits
         return KVGateConnectorMetadata(self.planner.build(idle=scheduler_output.total_num_scheduled_tokens == 0))
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Scheduler side: the cost model's decisions since the last call (vLLM logs them with its own stats)."""
+        if self.planner is None:
+            return None
+        report = self.planner.report()
+        return KVGateStats(data=report) if report else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVGateStats(data=dict(data or {}))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.planner is None:

@@ -145,6 +145,9 @@ def check_roles(url: str, model_dir: str) -> dict[str, object]:
     # what the load measured reaches the scheduler's cost model through vLLM's worker metadata
     worker_meta = reader.build_connector_worker_meta()
     sched.update_connector_output(KVConnectorOutput(finished_recving={"r"}, kv_connector_worker_meta=worker_meta))
+    # and the decisions reach vLLM's periodic stats log (the scheduler's stats, rebuilt as the logger does)
+    stats = sched.get_kv_connector_stats()
+    logged = type(sched).build_kv_connector_stats(stats.to_dict()).reduce() if stats is not None else {}
     equal = all(
         torch.equal(dst[n][5 + i].view(torch.int16), src[n][i].view(torch.int16)) for n in src for i in range(3)
     )
@@ -164,6 +167,8 @@ def check_roles(url: str, model_dir: str) -> dict[str, object]:
         "stored": writer.pipeline.stats.stored_blocks,
         "preempted": list(preempt_meta.plan.preempted),
         "worker_meta": type(worker_meta).__name__,
+        "logged": logged,
+        "stats_again": sched.get_kv_connector_stats() is None,
         "measured_load_s": sched.planner.stats.actual_load_s,
         "decisions": [sched.planner.stats.loads, sched.planner.stats.skipped, sched.planner.stats.abandoned],
     }

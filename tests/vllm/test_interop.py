@@ -91,6 +91,9 @@ def test_both_roles_through_vllms_factory(vllm_python: str, gateway: Gateway, tm
     # the load's measurement reached the scheduler through vLLM's worker metadata; the one decision was a load
     assert got["worker_meta"] == "KVGateWorkerMetadata" and got["measured_load_s"] > 0
     assert got["decisions"] == [1, 0, 0]
+    logged = got["logged"]
+    assert logged["loads"] == 1 and logged["actual_load_s"] > 0 and logged["bandwidth_mib_s"] > 0
+    assert got["stats_again"] is True  # each report holds what changed since the last
 
 
 def _cases() -> list[dict[str, Any]]:

@@ -1,11 +1,13 @@
 """What to load and store for each request: the scheduler-side core of the connector, free of vLLM.
 
-connector/vllm.py feeds it plain values (request ids, block hashes, block ids per KV-cache group, token counts)
-and ships the ``StepPlan`` it builds to the workers. One ``POST /v1/lookup`` per request decides the hit; the
-lookup runs on the client's loop and is picked up by a later call (``None``: "ask again"). A step that has work never
-waits on the network; a step with nothing scheduled (``build(idle=True)``) first waits up to ``lookup_wait_s`` for a
-lookup in flight, and tells the workers, which wait for their loads in flight (connector/pipeline.py): an engine that
-stepped again at once would spin, holding the GIL and a core that the lookups and loads need.
+connector/vllm.py feeds it plain values (request ids, block hashes, block ids per KV-cache group, token counts) and
+ships the ``StepPlan`` it builds to the workers. One ``POST /v1/lookup`` per request finds the hit (a lookup
+unanswered after ``lookup_deadline_s`` is a miss); the cost model decides how much of it to load, and the load's
+deadline (connector/cost.py); the lookup runs on the client's loop and is picked up by a later call (``None``: "ask
+again"). A step that has work never waits on the network; a step with nothing scheduled (``build(idle=True)``) first
+waits up to ``lookup_wait_s`` for a lookup in flight, and tells the workers, which wait for their loads in flight
+(connector/pipeline.py): an engine that stepped again at once would spin, holding the GIL and a core that the
+lookups and loads need.
 """
 
 from __future__ import annotations

@@ -5,12 +5,15 @@
                            "kv_role":"kv_both","kv_connector_extra_config":{"url":"http://127.0.0.1:8750"}}'
 
 Loads are asynchronous: ``get_num_new_matched_tokens`` answers from one ``POST /v1/lookup`` per request (``None``
-while it is in flight), the worker fetches and scatters between steps and reports the request in
-``get_finished``; blocks that could not be loaded are reported by ``get_block_ids_with_load_errors`` and vLLM
-recomputes them. A step with work never waits on the network. A step with nothing scheduled waits, bounded, for a
-lookup (``build_connector_meta``) or a load (``get_finished``) in flight instead of returning at once: the engine
-would step again at once, thousands of times a second, holding the GIL and a core that the loads need. Stores are
-best effort: a block that does not fit the bounded buffers is dropped and counted.
+while it is in flight), the worker fetches and scatters between steps and reports the request in ``get_finished``;
+blocks that could not be loaded are reported by ``get_block_ids_with_load_errors`` and vLLM recomputes them. How
+much of a hit is loaded, and by when, is the cost model's call (connector/cost.py): every load has a deadline, past
+which the blocks that did not arrive are reported so; what each load measured comes back to the scheduler in
+``KVGateWorkerMetadata`` and its decisions go out in vLLM's KV transfer stats (``KVGateStats``). A step with work
+never waits on the network. A step with nothing scheduled waits, bounded, for a lookup (``build_connector_meta``) or
+a load (``get_finished``) in flight instead of returning at once: the engine would step again at once, thousands of
+times a second, holding the GIL and a core that the loads need. Stores are best effort: a block that does not fit
+the bounded buffers is dropped and counted.
 """
 
 from __future__ import annotations

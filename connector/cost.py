@@ -35,6 +35,9 @@ class Verdict(enum.StrEnum):
     """A prefix of the hit is loaded: the rest does not fit the longest wait."""
     SKIP = "skip"
     """Nothing is loaded: recomputing is predicted faster."""
+    PROBE = "probe"
+    """Recomputing is predicted faster, but no load has measured the link for a half-life: the hit is loaded with
+    the shortest deadline, to measure it (a slow link costs the request at most that deadline)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -145,6 +148,10 @@ class CostModel:
         kept = math.pow(0.5, age / self.settings.bandwidth_half_life_s)
         return math.exp(math.log(prior) + (math.log(est) - math.log(prior)) * kept)
 
+    def _stale(self, now: float) -> bool:
+        """No load has measured the link yet, or none for a half-life: its estimate is (nearly) the prior's."""
+        return self._bandwidth_at is None or now - self._bandwidth_at >= self.settings.bandwidth_half_life_s
+
     # -- the decision ------------------------------------------------------------------------------------------
 
     def predict_load_s(self, *, nbytes: int, now: float) -> float:
@@ -168,6 +175,16 @@ class CostModel:
         rtt = self.lookup_rtt.value
         per_block_load = block_bytes / bw if bw > 0 else math.inf
         per_block_recompute = block_tokens / self.prefill.value if self.prefill.value > 0 else math.inf
+        if per_block_load >= per_block_recompute and self._stale(now):
+            return Decision(
+                Verdict.PROBE,
+                hit_blocks,
+                hit_blocks,
+                rtt + hit_blocks * per_block_load,
+                recompute,
+                self.settings.min_deadline_s,
+                f"no load measured the link for {self.settings.bandwidth_half_life_s:.0f}s: a probe",
+            )
         if per_block_load >= per_block_recompute:
             return Decision(
                 Verdict.SKIP,

@@ -88,6 +88,8 @@ class PlanStats:
     """Hits of which a prefix was loaded (the rest does not fit the longest wait)."""
     skipped: int = 0
     """Hits not loaded: recomputing was predicted faster."""
+    probes: int = 0
+    """Hits loaded, with the shortest deadline, to measure a link no load had measured for a half-life."""
     abandoned: int = 0
     """Loads that ran out of their deadline: the blocks that had not arrived were recomputed."""
     abandoned_lookups: int = 0
@@ -101,6 +103,7 @@ class PlanStats:
         "loads",
         "partial",
         "skipped",
+        "probes",
         "abandoned",
         "abandoned_lookups",
         "predicted_load_s",
@@ -257,6 +260,8 @@ class SchedulerPlanner:
                 self.stats.loads += 1
             elif d.verdict is Verdict.PARTIAL:
                 self.stats.partial += 1
+            elif d.verdict is Verdict.PROBE:
+                self.stats.probes += 1
             else:
                 self.stats.skipped += 1
             self.stats.last_reason = d.reason

@@ -26,10 +26,16 @@ def test_a_fast_link_loads_the_whole_hit_with_a_deadline_from_the_prediction() -
     assert d.deadline_s == pytest.approx(2 * d.predicted_load_s)
 
 
-def test_a_link_slower_than_recompute_loads_nothing() -> None:
-    m = model(prefill_tokens_s=3200.0)  # a block recomputes in 5 ms, loads in 10 ms
+def test_a_link_slower_than_recompute_loads_nothing_once_measured() -> None:
+    m = model(prefill_tokens_s=3200.0, bandwidth_half_life_s=30.0)  # a block recomputes in 5 ms, loads in 10 ms
+    # nothing measured the link yet: the prior says skip, so a probe measures it (at most the shortest deadline)
     d = m.plan(hit_blocks=100, block_tokens=BLOCK_TOKENS, block_bytes=BLOCK_BYTES, now=0.0)
+    assert d.verdict is Verdict.PROBE and d.blocks == 100 and d.deadline_s == m.settings.min_deadline_s
+    m.observe_load(nbytes=100 * MIB, seconds=1.0, now=0.0)
+    d = m.plan(hit_blocks=100, block_tokens=BLOCK_TOKENS, block_bytes=BLOCK_BYTES, now=1.0)
     assert d.verdict is Verdict.SKIP and d.blocks == 0 and "recomputes" in d.reason
+    # a half-life later with no load in between, one probe again
+    assert m.plan(hit_blocks=100, block_tokens=BLOCK_TOKENS, block_bytes=BLOCK_BYTES, now=31.0).verdict is Verdict.PROBE
 
 
 def test_a_hit_longer_than_the_longest_wait_loads_the_prefix_that_fits() -> None:

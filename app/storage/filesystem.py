@@ -181,8 +181,11 @@ class FilesystemStore(BlockStore):
         size: int,
         expected_digest: str | None = None,
         algorithm: str | None = None,
+        stamp: str | None = None,
     ) -> Staged:
         """Stream ``body`` into a staged file beside the key's file, check it, stamp it, fsync it; not renamed."""
+        if stamp is not None:
+            raise ValueError("this store names its versions itself (new_stamp is None)")
         vid = new_id()
         tmp = temp_file(vid, self.file_of(key))
         checker = BodyChecker(size=size, expected_digest=expected_digest, algorithm=algorithm)

@@ -5,7 +5,8 @@ over the same data directory's coordination file, so they share each key's lock 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+import functools
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import anyio.to_thread
@@ -40,10 +41,19 @@ class Core:
 
 @contextlib.asynccontextmanager
 async def open_core(
-    backends: Backends, *, settings: Settings, events: EventSink = NO_EVENTS, cache: bool = True
+    backends: Backends,
+    *,
+    settings: Settings,
+    events: EventSink = NO_EVENTS,
+    cache: bool = True,
+    on_coordination_lost: Callable[[], None] | None = None,
 ) -> AsyncIterator[Core]:
-    """The core over opened backends; ``cache``: keep a metadata cache (a one-off tool needs none)."""
-    coordinator = await anyio.to_thread.run_sync(open_coordinator, settings.data_dir)
+    """The core over opened backends; ``cache``: keep a metadata cache (a one-off tool needs none);
+    ``on_coordination_lost``: called once if the coordination file is found removed or replaced (the cache is
+    dropped and changes refused from then on: a gateway worker restarts)."""
+    coordinator = await anyio.to_thread.run_sync(
+        functools.partial(open_coordinator, settings.data_dir, on_lost=on_coordination_lost)
+    )
     try:
         store, index = backends.store, backends.index
         locks = KeyLocks(coordinator)

@@ -1,8 +1,9 @@
 """No decision depends on two machines' clocks: ``kvgate gc`` on a host whose clock runs ahead (libfaketime for that
 process only: 30 minutes against moto; 14 against SeaweedFS, which like AWS refuses a SigV4 request signed more than
 15 minutes off, so a host further off cannot reach a real store at all), beside a gateway that has staged a write
-and not committed it yet, over one PostgreSQL index and an S3-compatible server. The gateway is held between its staging and its commit by the key's stripe lock
-in its coordination file, taken by this test (a real lock, as another process of the machine takes it).
+and not committed it yet, over one PostgreSQL index and an S3-compatible server. The gateway is held between its
+staging and its commit by the key's stripe lock in its coordination file, taken by this test (a real lock, as
+another process of the machine takes it).
 
 Before staging intents (app/index/staging.py), gc judged a staged object's age by its own clock against the store's
 ``LastModified``: it removed the object, the PUT answered 201, and GET answered 404; an upload's first part was

@@ -8,6 +8,7 @@ import contextlib
 import functools
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import anyio.to_thread
 
@@ -17,6 +18,7 @@ from app.core.capacity import Capacity
 from app.core.coordination import Coordinator, open_coordinator
 from app.core.events import NO_EVENTS, EventSink
 from app.core.keystate import KeyLocks, MetaCache
+from app.core.ownership import bind
 from app.core.parts import PartAssembler
 from app.core.service import BlockService
 from app.core.upkeep import Upkeep
@@ -39,6 +41,15 @@ class Core:
     """The data directory's coordination file (key locks, cache epochs, the named exclusive locks)."""
 
 
+def _local_resources(settings: Settings) -> list[Path]:
+    """The store root and index file that only this machine's processes use (the filesystem, SQLite)."""
+    found = [settings.blocks_root] if settings.blocks_root is not None else []
+    url = settings.resolved_db_url
+    if settings.is_sqlite and ":///" in url and ":memory:" not in url:
+        found.append(Path(url.split(":///", 1)[1]).resolve())
+    return [p for p in found if p is not None and p.exists()]
+
+
 @contextlib.asynccontextmanager
 async def open_core(
     backends: Backends,
@@ -55,6 +66,8 @@ async def open_core(
         functools.partial(open_coordinator, settings.data_dir, on_lost=on_coordination_lost)
     )
     try:
+        for resource in _local_resources(settings):  # ClaimedElsewhere: another data directory coordinates it
+            await anyio.to_thread.run_sync(bind, coordinator, resource)
         store, index = backends.store, backends.index
         locks = KeyLocks(coordinator)
         meta_cache = MetaCache(

@@ -8,6 +8,9 @@ after)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +20,7 @@ import httpx
 import pytest
 
 from tests.conftest import key_for, matches, random_bytes
-from tests.gateway import Gateway
+from tests.gateway import REPO, Gateway
 
 
 def _call(method: Callable[..., httpx.Response], url: str, **kwargs: Any) -> int:
@@ -70,3 +73,37 @@ def test_a_replaced_coordination_file_fails_closed(tmp_path: Path, order: str) -
     finally:
         first.stop()
         second.stop()
+
+
+def test_another_data_dir_on_the_same_blocks_and_index_is_refused(tmp_path: Path) -> None:
+    """``kvgate gc`` (or ``serve``) through another --data-dir on a running gateway's blocks and index would share
+    no key locks and no cache epochs with it: refused while that gateway's coordination file is alive."""
+    data = tmp_path / "data"
+    gw = Gateway(data).start()
+    shared = {
+        "KVGATE_BACKEND__ROOT": str(data / "blocks"),
+        "KVGATE_DB_URL": f"sqlite+aiosqlite:///{data / 'index.db'}",
+    }
+    try:
+        env = {**os.environ, "PYTHONPATH": str(REPO), **shared}
+        gc = subprocess.run(
+            [sys.executable, "-m", "app", "gc", "--json", "--data-dir", str(tmp_path / "other")],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            timeout=120,
+        )
+        assert gc.returncode != 0, gc.stdout.decode()
+        assert "another data directory" in gc.stderr.decode()
+        with pytest.raises(RuntimeError, match="another data directory"):
+            Gateway(tmp_path / "other", env=shared).start()
+        ok = subprocess.run(  # its own data directory: fine, beside the gateway
+            [sys.executable, "-m", "app", "gc", "--json", "--data-dir", str(data)],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            timeout=120,
+        )
+        assert ok.returncode == 0, ok.stderr.decode()[-2000:]
+    finally:
+        gw.stop()

@@ -50,6 +50,7 @@ from app.storage.fs_files import (
     io,
     link_or_copy,
     lock_file,
+    make_dirs,
     new_id,
     probe_xattrs,
     read_cached,
@@ -196,7 +197,7 @@ class FilesystemStore(BlockStore):
             # one worker-thread hop per batch; a body that fits one batch is created, written and sealed in one
             nonlocal fd
             if fd < 0:
-                fd = create_locked(tmp)
+                fd = create_locked(tmp, fsync=self._fsync)
             for piece in pieces:  # the network chunks go down as one writev: hashed and written in place, no copy
                 checker.update(piece)
             write_all(fd, pieces, None)
@@ -243,7 +244,7 @@ class FilesystemStore(BlockStore):
             try:
                 fd = os.open(path, flags, 0o644)
             except FileNotFoundError:
-                path.parent.mkdir(parents=True, exist_ok=True)
+                make_dirs(path.parent, fsync=self._fsync)
                 fd = os.open(path, flags, 0o644)
             try:
                 copy_range(temp.fd, fd, size=source.meta.size, offset=offset, chunk_bytes=self._chunk)
@@ -292,7 +293,7 @@ class FilesystemStore(BlockStore):
             try:
                 link_or_copy(src, tmp)
             except FileNotFoundError:
-                tmp.parent.mkdir(parents=True, exist_ok=True)
+                make_dirs(tmp.parent, fsync=self._fsync)
                 link_or_copy(src, tmp)
             fd = os.open(tmp, os.O_RDWR | os.O_CLOEXEC)
             try:

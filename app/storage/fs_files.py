@@ -16,6 +16,7 @@ can tell a live writer's file (locked) from one a crash left behind (unlocked), 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import fcntl
@@ -169,13 +170,33 @@ def lock_file(fd: int, *, wait: bool = False) -> bool:
     return True
 
 
-def create_locked(path: str | Path) -> int:
-    """Create ``path`` (exclusively, its directory if need be) and hold the writer's lock on it."""
+def make_dirs(path: str | Path, *, fsync: bool) -> None:
+    """Create directory ``path`` and its missing ancestors; ``fsync``: each one made is then fsynced in its parent,
+    once (a file published under it, its own directory fsynced, must not lose the directories above it to a power
+    loss). A directory another process made meanwhile is fsynced in its parent all the same."""
+    missing: list[str] = []
+    at = os.fspath(path)
+    while not os.path.isdir(at):
+        missing.append(at)
+        parent = os.path.dirname(at)
+        if parent == at:
+            break
+        at = parent
+    for made in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(made)
+    if fsync:
+        for made in reversed(missing):
+            fsync_dir(os.path.dirname(made))
+
+
+def create_locked(path: str | Path, *, fsync: bool = True) -> int:
+    """Create ``path`` (exclusively, its directory if need be: ``make_dirs``) and hold the writer's lock on it."""
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
     try:  # the key's directory is there for all but a prefix's first block: no mkdir walk per PUT
         fd = os.open(path, flags, 0o644)
     except FileNotFoundError:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        make_dirs(os.path.dirname(path), fsync=fsync)
         fd = os.open(path, flags, 0o644)
     lock_file(fd)
     return fd

@@ -190,10 +190,14 @@ async def reconcile(
     for info in extra:
         if await upkeep.retire_unnamed(info.key, stamp=info.stamp, older_than_s=unnamed_age):
             report.stale_versions_removed += 1
-    swept = {(info.key, info.stamp) for info in extra}
+    swept = {(info.key, info.stamp) for info in extra} | {(info.key, PART) for info in part_objects}
     for key, stamp in await index.expired_intents(older_than_s=unnamed_age):  # writers gone, objects not listed
-        if stamp != PART and (key, stamp) not in swept:
+        if (key, stamp) in swept:
+            continue
+        if stamp != PART:
             await upkeep.retire_unnamed(key, stamp=stamp, older_than_s=unnamed_age)
+        elif await index.claim_part_object(store_key=key, older_than_s=unnamed_age):
+            await store.delete(key)
 
     known = set(await index.namespace_names())
     for key in others:

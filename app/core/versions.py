@@ -221,10 +221,11 @@ class Versions:
                     await self.index.drop_intent(key=key, stamp=stamp)
             raise
 
-    async def discard(self, staged: Staged) -> None:
+    async def discard(self, staged: Staged, *, intent: bool = True) -> None:
+        """Drop a staged version (and its staging intent, unless a transaction took it already: ``intent``)."""
         try:
             await self.store.discard(staged)
-            if self.store.versioned:
+            if intent and self.store.versioned:
                 await self.index.drop_intent(key=staged.key, stamp=staged.stamp)
         except KVGateError as exc:  # a leftover: the next sweep removes it (no row names it)
             log.warning("could not drop staged data key=%s: %s", staged.key, exc)
@@ -259,10 +260,10 @@ class Change:
             await v.discard(staged)
             raise
         if swap.fenced:  # a sweep took the staged version (it waited too long, by the index's clock): never commit
-            await v.discard(staged)
+            await v.discard(staged, intent=False)
             raise StagingExpired(f"{key.path!r}: the staged version was swept before its commit")
         if not swap.written:
-            await v.discard(staged)
+            await v.discard(staged, intent=False)  # the swap took the intent
             kept = None if swap.old is None else meta_of(swap.old)
             self.made = kept
             return Committed(meta=kept or meta_of(record), old=swap.old, written=False)

@@ -11,6 +11,7 @@ dropped as idle, so the object never completed."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import glob
@@ -32,7 +33,7 @@ from app.core.coordination import stripe_of
 from tests.conftest import key_for, matches, random_bytes
 from tests.gateway import REPO, Gateway
 from tests.s3_servers import S3_CREDS, S3TestServer
-from tests.services import unique_bucket
+from tests.services import asyncpg_dsn, unique_bucket
 
 AHEAD_MIN = {"moto": 30, "seaweedfs": 14}
 STALE_S = "300"
@@ -156,3 +157,35 @@ def test_an_upload_and_a_staged_part_survive_gc_with_a_clock_ahead(
     assert last.status_code == 201, (last.text, report)
     got = httpx.get(f"{gw.url}/v1/blocks/{key}", timeout=30)
     assert got.status_code == 200 and got.content == blob and matches(got.headers["etag"], blob)
+
+
+def test_a_dead_writers_staged_version_is_swept_by_the_index_clock(
+    tmp_path: Path, s3_server: S3TestServer, setup: tuple[Gateway, dict[str, str]]
+) -> None:
+    """A writer killed between its staging and its commit leaves an object and its intent: gc removes both once
+    the intent is old by the database's clock (here made old in the database itself), and not before."""
+    gw, env = setup
+    key, blob = key_for(7400), random_bytes(4096, 7400)
+    bucket, db_url = env["TEST_BUCKET"], env["KVGATE_DB_URL"]
+    with ThreadPoolExecutor(1) as pool, _holding(gw, key):
+        pool.submit(lambda: httpx.put(f"{gw.url}/v1/blocks/{key}", content=blob, timeout=120))
+        _wait_for_object(s3_server, bucket, f"kv/{key}")
+        gw.kill9()
+    gc = [sys.executable, "-m", "app", "gc", "--json", "--stale-parts-s", STALE_S]
+    run_env = {**os.environ, **env, "PYTHONPATH": str(REPO), "KVGATE_DATA_DIR": str(tmp_path / "gc")}
+    young = json.loads(subprocess.run(gc, cwd=REPO, env=run_env, capture_output=True, check=True).stdout)
+    assert young["stale_versions_removed"] == 0 and _objects(s3_server, bucket, f"kv/{key}")
+    asyncio.run(_sql(db_url, "UPDATE staging SET staged_at = staged_at - 3600"))
+    old = json.loads(subprocess.run(gc, cwd=REPO, env=run_env, capture_output=True, check=True).stdout)
+    assert old["stale_versions_removed"] == 1 and not _objects(s3_server, bucket, f"kv/{key}")
+    assert asyncio.run(_sql(db_url, "SELECT count(*) FROM staging")) == [(0,)]
+
+
+async def _sql(db_url: str, statement: str) -> list[tuple[object, ...]]:
+    import asyncpg  # type: ignore[import-untyped]
+
+    conn = await asyncpg.connect(asyncpg_dsn(db_url))
+    try:
+        return [tuple(r) for r in await conn.fetch(statement)]
+    finally:
+        await conn.close()

@@ -15,7 +15,8 @@ One file, ``<data_dir>/kvgate.coord``, holds two things, both keyed by a key's *
   metadata cache learns of another process's change.
 
 The file has an identity: a random generation, written before the file is linked under its name. A process checks
-at every change and metadata-cache hit that the name still leads to the file it opened, with one link (``intact``):
+that the file it opened still has one link at every metadata-cache hit, and that the name leads to it at every
+change (and every ``PATH_CHECK_S`` on hits) (``intact``):
 a file removed or replaced under running processes splits them into groups that share nothing, so a process whose
 file is gone drops its cache, refuses changes (``CoordinationLost``, 503) and restarts.
 
@@ -34,6 +35,7 @@ import mmap
 import os
 import struct
 import sys
+import time
 import zlib
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -53,6 +55,8 @@ GENERATION = TABLE_BYTES
 """Offset of the file's generation: 16 random bytes written before the file is linked under its name (or, for a
 file of an earlier release, once, under the "identity" lock), never zero."""
 FILE_BYTES = TABLE_BYTES + 64
+PATH_CHECK_S = 0.1
+"""How often, at most, a cache hit also checks that the file's name still leads to it (a change always does)."""
 _FLOCK = struct.Struct("@hhqqi4x")
 """struct flock on Linux (l_type, l_whence, l_start, l_len, l_pid); l_pid must be 0 for OFD locks."""
 POLL_FIRST_S = 0.0005
@@ -148,17 +152,23 @@ class Coordinator:
         self.generation = bytes(self._map[GENERATION : GENERATION + 16])
         st = os.fstat(fd)
         self._identity = (st.st_dev, st.st_ino)
+        self._path_checked = time.monotonic()
 
-    def intact(self) -> bool:
-        """The file at ``path`` is still the one this process opened, by inode and link count (one name, this one):
-        removed, replaced or hard-linked elsewhere, its locks and epochs are no longer what every process of the
-        data directory shares. Once False, False for good; the first time, ``on_lost`` is called (a gateway worker
-        restarts, opening the file that is there now)."""
+    def intact(self, *, thorough: bool = False) -> bool:
+        """The file is still the one this process opened, the data directory's: one link (removed, or replaced by
+        a rename, it has none; linked elsewhere, two), and the name leads to it (checked by ``thorough`` calls, and
+        at least every ``PATH_CHECK_S`` otherwise: one fstat per metadata-cache hit, a path lookup now and then).
+        Once False, False for good; the first time, ``on_lost`` is called (a gateway worker restarts, opening the
+        file that is there now)."""
         if self.lost:
             return False
         try:
-            st = os.stat(self.path)
-            ok = (st.st_dev, st.st_ino) == self._identity and st.st_nlink == 1
+            ok = os.fstat(self._fd).st_nlink == 1
+            now = time.monotonic()
+            if ok and (thorough or now - self._path_checked > PATH_CHECK_S):
+                st = os.stat(self.path)
+                ok = (st.st_dev, st.st_ino) == self._identity
+                self._path_checked = now
         except OSError:
             ok = False
         if not ok:
@@ -169,7 +179,7 @@ class Coordinator:
 
     def check(self) -> None:
         """CoordinationLost unless ``intact``."""
-        if not self.intact():
+        if not self.intact(thorough=True):
             raise CoordinationLost(f"{self.path} was removed or replaced while this process used it")
 
     def close(self) -> None:

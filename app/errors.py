@@ -66,6 +66,11 @@ class BackendUnavailable(KVGateError):
     """The block store cannot be reached or failed; retry later (503)."""
 
 
+class StagingExpired(BackendUnavailable):
+    """A staged version or part was swept before its commit (its writer took longer than a sweep allows, by the
+    index's clock): nothing was written; retry (503)."""
+
+
 class IndexUnavailable(KVGateError):
     """The index database cannot be reached, is locked or failed; retry later (503)."""
 

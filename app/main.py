@@ -145,13 +145,25 @@ def _app(cfg: Settings, *, principals: Principals | None) -> FastAPI:
     return app
 
 
+def _restart() -> None:
+    """The coordination file was removed or replaced under this worker: stop (gracefully; the supervisor, or the
+    service manager, starts another, which opens the file that is there now)."""
+    log.error("coordination file removed or replaced: refusing changes, restarting")
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 @contextlib.asynccontextmanager
 async def _serving(app: FastAPI, *, cfg: Settings, backends: Backends) -> AsyncIterator[None]:
     """The core over the opened backends, with events, reconcile and capacity; closed in reverse."""
     parts = await event_parts(cfg, index=backends.index)
     app.state.events = None
     async with (
-        open_core(backends, settings=cfg, events=parts.writer if parts is not None else NO_EVENTS) as core,
+        open_core(
+            backends,
+            settings=cfg,
+            events=parts.writer if parts is not None else NO_EVENTS,
+            on_coordination_lost=_restart,
+        ) as core,
         contextlib.AsyncExitStack() as stack,
     ):
         if cfg.reconcile_on_start:

@@ -5,8 +5,10 @@ over the same data directory's coordination file, so they share each key's lock 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+import functools
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import anyio.to_thread
 
@@ -16,6 +18,7 @@ from app.core.capacity import Capacity
 from app.core.coordination import Coordinator, open_coordinator
 from app.core.events import NO_EVENTS, EventSink
 from app.core.keystate import KeyLocks, MetaCache
+from app.core.ownership import bind
 from app.core.parts import PartAssembler
 from app.core.scrub import Scrub
 from app.core.service import BlockService
@@ -41,13 +44,33 @@ class Core:
     """Stored bytes checked against their rows in the background (started by the server only)."""
 
 
+def _local_resources(settings: Settings) -> list[Path]:
+    """The store root and index file that only this machine's processes use (the filesystem, SQLite)."""
+    found = [settings.blocks_root] if settings.blocks_root is not None else []
+    url = settings.resolved_db_url
+    if settings.is_sqlite and ":///" in url and ":memory:" not in url:
+        found.append(Path(url.split(":///", 1)[1]).resolve())
+    return [p for p in found if p is not None and p.exists()]
+
+
 @contextlib.asynccontextmanager
 async def open_core(
-    backends: Backends, *, settings: Settings, events: EventSink = NO_EVENTS, cache: bool = True
+    backends: Backends,
+    *,
+    settings: Settings,
+    events: EventSink = NO_EVENTS,
+    cache: bool = True,
+    on_coordination_lost: Callable[[], None] | None = None,
 ) -> AsyncIterator[Core]:
-    """The core over opened backends; ``cache``: keep a metadata cache (a one-off tool needs none)."""
-    coordinator = await anyio.to_thread.run_sync(open_coordinator, settings.data_dir)
+    """The core over opened backends; ``cache``: keep a metadata cache (a one-off tool needs none);
+    ``on_coordination_lost``: called once if the coordination file is found removed or replaced (the cache is
+    dropped and changes refused from then on: a gateway worker restarts)."""
+    coordinator = await anyio.to_thread.run_sync(
+        functools.partial(open_coordinator, settings.data_dir, on_lost=on_coordination_lost)
+    )
     try:
+        for resource in _local_resources(settings):  # ClaimedElsewhere: another data directory coordinates it
+            await anyio.to_thread.run_sync(bind, coordinator, resource)
         store, index = backends.store, backends.index
         locks = KeyLocks(coordinator)
         meta_cache = MetaCache(

@@ -14,6 +14,12 @@ One file, ``<data_dir>/kvgate.coord``, holds two things, both keyed by a key's *
   counter is current, and a cached row stays good while the counter has not moved: that is how a process's
   metadata cache learns of another process's change.
 
+The file has an identity: a random generation, written before the file is linked under its name. A process checks
+that the file it opened still has one link at every metadata-cache hit, and that the name leads to it at every
+change (and every ``PATH_CHECK_S`` on hits) (``intact``):
+a file removed or replaced under running processes splits them into groups that share nothing, so a process whose
+file is gone drops its cache, refuses changes (``CoordinationLost``, 503) and restarts.
+
 Without a file (``LocalEpochs`` only, in-process tests over the memory store) the same protocol runs inside one
 process. Across machines (replicas over S3 and PostgreSQL) nothing here is shared: there every change is a
 compare-and-set on the version in the index, and the metadata cache is off by default.
@@ -29,10 +35,13 @@ import mmap
 import os
 import struct
 import sys
+import time
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Protocol
+
+from app.errors import BackendUnavailable
 
 STRIPES = 1 << 16
 """Stripes of the lock and epoch tables: two keys share a lock (and an epoch) with probability 1/STRIPES."""
@@ -41,7 +50,13 @@ TABLE_BYTES = _EPOCH.size * STRIPES
 NAMED_BASE = STRIPES
 """Byte offsets from here on are named locks (``exclusive(name)``): the evictor's, the events publisher's, one holder
 at a time."""
-NAMED = {"evict": 0, "reconcile": 1, "events": 2, "scrub": 3}
+NAMED = {"evict": 0, "reconcile": 1, "events": 2, "scrub": 3, "identity": 4}
+GENERATION = TABLE_BYTES
+"""Offset of the file's generation: 16 random bytes written before the file is linked under its name (or, for a
+file of an earlier release, once, under the "identity" lock), never zero."""
+FILE_BYTES = TABLE_BYTES + 64
+PATH_CHECK_S = 0.1
+"""How often, at most, a cache hit also checks that the file's name still leads to it (a change always does)."""
 _FLOCK = struct.Struct("@hhqqi4x")
 """struct flock on Linux (l_type, l_whence, l_start, l_len, l_pid); l_pid must be 0 for OFD locks."""
 POLL_FIRST_S = 0.0005
@@ -64,6 +79,9 @@ class Epochs(Protocol):
     def end(self, stripe: int) -> None:
         """Move to the next even value (the caller holds the stripe's lock)."""
 
+    def intact(self) -> bool:
+        """The table is still the one every process of the data directory shares."""
+
 
 def _next_odd(value: int) -> int:
     # a holder that died mid-change left an odd value: skip past it, never back
@@ -85,24 +103,35 @@ class LocalEpochs:
     def end(self, stripe: int) -> None:
         self._values[stripe] += 1
 
+    def intact(self) -> bool:
+        return True
+
 
 class CoordinationUnavailable(RuntimeError):
     """The data directory cannot hold the coordination file (or the OS has no open-file-description locks)."""
 
 
+class CoordinationLost(BackendUnavailable):
+    """The coordination file this process opened is no longer the data directory's (removed, replaced): its locks
+    and epochs are shared with nobody now. Changes are refused (503) and the process restarts."""
+
+
 class Coordinator:
     """The shared lock and epoch tables of one data directory (see the module docstring)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, on_lost: Callable[[], None] | None = None) -> None:
         self.path = path
+        self._on_lost = on_lost
+        self.lost = False
+        """Sticky: the file was found removed or replaced (``intact``)."""
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = _open_or_create(path)
         except OSError as exc:
             raise CoordinationUnavailable(f"cannot open {path}: {exc.strerror or exc}") from exc
         try:
-            if os.fstat(fd).st_size < TABLE_BYTES:
-                os.ftruncate(fd, TABLE_BYTES)  # zeros: every epoch even (at rest); growing never loses a value
-            self._map = mmap.mmap(fd, TABLE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            if os.fstat(fd).st_size < FILE_BYTES:
+                os.ftruncate(fd, FILE_BYTES)  # zeros: every epoch even (at rest); growing never loses a value
+            self._map = mmap.mmap(fd, FILE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             if sys.platform != "linux":
                 raise CoordinationUnavailable("this OS has no open-file-description locks (F_OFD_SETLK): Linux needed")
         except BaseException:
@@ -111,6 +140,47 @@ class Coordinator:
         self._fd = fd
         self._spare: list[int] = []
         """Open descriptions of the file, each able to hold one lock, kept for reuse (opening costs a syscall)."""
+        if not any(self._map[GENERATION : GENERATION + 16]):  # a file of an earlier release: given one, once
+            lock = self.try_lock(NAMED_BASE + NAMED["identity"])
+            while lock is None:
+                lock = self.try_lock(NAMED_BASE + NAMED["identity"])
+            try:
+                if not any(self._map[GENERATION : GENERATION + 16]):
+                    self._map[GENERATION : GENERATION + 16] = _new_generation()
+            finally:
+                self.unlock(lock, NAMED_BASE + NAMED["identity"])
+        self.generation = bytes(self._map[GENERATION : GENERATION + 16])
+        st = os.fstat(fd)
+        self._identity = (st.st_dev, st.st_ino)
+        self._path_checked = time.monotonic()
+
+    def intact(self, *, thorough: bool = False) -> bool:
+        """The file is still the one this process opened, the data directory's: one link (removed, or replaced by
+        a rename, it has none; linked elsewhere, two), and the name leads to it (checked by ``thorough`` calls, and
+        at least every ``PATH_CHECK_S`` otherwise: one fstat per metadata-cache hit, a path lookup now and then).
+        Once False, False for good; the first time, ``on_lost`` is called (a gateway worker restarts, opening the
+        file that is there now)."""
+        if self.lost:
+            return False
+        try:
+            ok = os.fstat(self._fd).st_nlink == 1
+            now = time.monotonic()
+            if ok and (thorough or now - self._path_checked > PATH_CHECK_S):
+                st = os.stat(self.path)
+                ok = (st.st_dev, st.st_ino) == self._identity
+                self._path_checked = now
+        except OSError:
+            ok = False
+        if not ok:
+            self.lost = True
+            if self._on_lost is not None:
+                self._on_lost()
+        return ok
+
+    def check(self) -> None:
+        """CoordinationLost unless ``intact``."""
+        if not self.intact(thorough=True):
+            raise CoordinationLost(f"{self.path} was removed or replaced while this process used it")
 
     def close(self) -> None:
         for fd in self._spare:
@@ -199,7 +269,35 @@ class Coordinator:
         return bool(l_type != fcntl.F_UNLCK)
 
 
-def open_coordinator(data_dir: Path) -> Coordinator:
-    """The coordinator of ``data_dir`` (created on first use)."""
+def _new_generation() -> bytes:
+    while not any(generation := os.urandom(16)):
+        pass
+    return generation
+
+
+def _open_or_create(path: Path) -> int:
+    """Open the file, or create it whole (sized, its generation written) under another name and link it to
+    ``path``: no process ever opens it without a generation, and of two creating it at once, one link wins."""
+    while True:
+        try:
+            return os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            pass
+        tmp = path.with_name(f".{path.name}.{os.urandom(8).hex()}")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            os.ftruncate(fd, FILE_BYTES)
+            os.pwrite(fd, _new_generation(), GENERATION)
+            os.fsync(fd)
+            with contextlib.suppress(FileExistsError):
+                os.link(tmp, path)
+        finally:
+            os.close(fd)
+            os.unlink(tmp)
+
+
+def open_coordinator(data_dir: Path, *, on_lost: Callable[[], None] | None = None) -> Coordinator:
+    """The coordinator of ``data_dir`` (created on first use); ``on_lost``: called once if the file is found
+    removed or replaced (``Coordinator.intact``)."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    return Coordinator(data_dir / "kvgate.coord")
+    return Coordinator(data_dir / "kvgate.coord", on_lost=on_lost)

@@ -46,6 +46,8 @@ class KeyLocks:
         async with self._lock(key):
             shared = self._coordinator.locked(stripe) if self._coordinator else contextlib.nullcontext()
             async with shared:
+                if self._coordinator is not None:
+                    self._coordinator.check()  # a replaced file's lock excludes nobody: refuse (503)
                 self.epochs.begin(stripe)
                 try:
                     yield held
@@ -92,6 +94,9 @@ class MetaCache:
         item = self._data.get(key)
         if item is None:
             return None
+        if not self.epochs.intact():  # the epochs are no longer shared: no entry can be trusted
+            self._data.clear()
+            return None
         meta, epoch, filled, stripe = item
         if epoch != self.epochs.get(stripe) or (self._ttl is not None and time.monotonic() - filled > self._ttl):
             del self._data[key]
@@ -115,7 +120,7 @@ class MetaCache:
             self._put(meta, epoch)
 
     def _put(self, meta: Version, epoch: int) -> None:
-        if not self.enabled:
+        if not self.enabled or not self.epochs.intact():
             return
         self._data[meta.key] = (meta, epoch, time.monotonic(), stripe_of(meta.key))
         self._data.move_to_end(meta.key)

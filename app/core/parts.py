@@ -37,8 +37,16 @@ from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 
 from app.core.versions import Change, Versions
-from app.errors import BlockNotFound, CommitUnknown, Conflict, DigestMismatch, IndexUnavailable, SizeMismatch
-from app.index import Index, PartRecord
+from app.errors import (
+    BlockNotFound,
+    CommitUnknown,
+    Conflict,
+    DigestMismatch,
+    IndexUnavailable,
+    SizeMismatch,
+    StagingExpired,
+)
+from app.index import FENCED, Index, PartRecord
 from app.storage import BlockStore
 from app.storage.base import BodyChecker, Region
 from app.storage.checksums import algorithm_of
@@ -140,9 +148,10 @@ class PartAssembler:
         if _check_against(parts, span, part_digest) is None:  # fail fast, before any byte is kept
             self._check_room(parts, span)
         store_key = f"{PARTS_PREFIX}{path}/{span.start}-{span.end}.{uuid.uuid4().hex}"
-        stored = await self._store.put(store_key, body, size=span.size, expected_digest=part_digest)
+        await self._index.add_intent(key=store_key)  # before the object exists: no sweep takes it while staged
         keep = False
         try:
+            stored = await self._store.put(store_key, body, size=span.size, expected_digest=part_digest)
             async with self._versions.change(path) as change:
                 existing, parts = await self._index.part_state(path)
                 if existing is not None:  # completed by another writer while our bytes streamed
@@ -157,6 +166,7 @@ class PartAssembler:
             if not keep:
                 with contextlib.suppress(Exception):
                     await self._store.delete(store_key)
+                    await self._index.drop_intent(key=store_key)
 
     async def _named(self, path: str, store_key: str) -> bool:
         """A part row of ``path`` names ``store_key`` (read as ``Versions`` reads a row back); True when that cannot
@@ -216,9 +226,11 @@ class PartAssembler:
                 key=path, start=span.start, end=span.end, total=span.total, digest=digest, store_key=store_key
             )
             try:
-                recorded = await self._index.add_part(record, namespace=key.namespace)
+                recorded = await self._index.add_part(record, namespace=key.namespace, intent=not self._store.uploads)
             except CommitUnknown as exc:
                 recorded = await self._settle_part(record, exc)
+            if recorded is FENCED:
+                raise StagingExpired(f"{path!r}: the part's object was swept before it was recorded")
             if recorded is None:  # another replica recorded this start first
                 raise Conflict(f"a part starting at byte {span.start} was recorded concurrently")
             keep = True
@@ -274,7 +286,7 @@ class PartAssembler:
                     log.error("upload is corrupt key=%s: %s", path, exc)
                     raise Conflict(f"stored parts are corrupt ({exc}); re-send them") from exc
             else:
-                staged = await self._store.stage(path, self._concat(parts), size=total, algorithm=_algorithm(parts))
+                staged = await self._versions.stage(path, self._concat(parts), size=total, algorithm=_algorithm(parts))
         except Conflict:  # a stored part is corrupt: drop them all, the writers send them again next time
             await self.drop(path, parts)
             raise

@@ -33,6 +33,7 @@ from app.core.parts import PARTS_PREFIX
 from app.core.upkeep import Settled, Upkeep
 from app.core.versions import STAGED_MAX_AGE_S
 from app.index import Index
+from app.index.staging import PART
 from app.storage import BlockStore, ObjectInfo
 from contract.keys import InvalidKey, check_namespace_fields, parse_block_key, parse_config_key
 
@@ -183,11 +184,20 @@ async def reconcile(
     note("digest", 0, len(orphans))
     await _gather(concurrency, [adopt(k) for k in orphans])
 
-    cutoff = time.time() - stale_parts_s
-    unnamed_cutoff = min(cutoff, time.time() - 2 * STAGED_MAX_AGE_S)  # older than any commit can still name
-    for info in extra:  # uncommitted or replaced versions, once no writer can still be committing them
-        if info.mtime <= unnamed_cutoff and await upkeep.retire_unnamed(info.key, stamp=info.stamp):
+    # versions no row names (uncommitted, or replaced), once no writer can still be committing them: told by the
+    # index's staging intents and its clock (app/index/staging.py), never by this machine's clock against the store's
+    unnamed_age = max(stale_parts_s, 2 * STAGED_MAX_AGE_S)
+    for info in extra:
+        if await upkeep.retire_unnamed(info.key, stamp=info.stamp, older_than_s=unnamed_age):
             report.stale_versions_removed += 1
+    swept = {(info.key, info.stamp) for info in extra} | {(info.key, PART) for info in part_objects}
+    for key, stamp in await index.expired_intents(older_than_s=unnamed_age):  # writers gone, objects not listed
+        if (key, stamp) in swept:
+            continue
+        if stamp != PART:
+            await upkeep.retire_unnamed(key, stamp=stamp, older_than_s=unnamed_age)
+        elif await index.claim_part_object(store_key=key, older_than_s=unnamed_age):
+            await store.delete(key)
 
     known = set(await index.namespace_names())
     for key in others:
@@ -200,9 +210,15 @@ async def reconcile(
 
     report.stale_uploads_dropped = await upkeep.drop_idle_uploads(idle_s=stale_parts_s)
     described = {p.store_key for u in await index.uploads() for p in await index.get_parts(u.key)}
+    cutoff = time.time() - stale_parts_s  # in-place uploads (one machine's files): their mtime is this clock's
     for info in part_objects:  # data of a part whose row never committed (or was dropped above)
-        if info.key not in described and info.mtime <= cutoff:
-            report.part_objects_removed += int(await store.delete(info.key))
+        if info.key in described:
+            continue
+        if store.uploads and info.mtime > cutoff:
+            continue
+        if not store.uploads and not await index.claim_part_object(store_key=info.key, older_than_s=unnamed_age):
+            continue  # being written (its intent is young by the index's clock), or recorded since the listing
+        report.part_objects_removed += int(await store.delete(info.key))
     report.part_dirs_removed = await store.remove_empty_dirs(PARTS_PREFIX, older_than_s=stale_parts_s)
 
     usage = await index.namespace_usage()

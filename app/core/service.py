@@ -135,7 +135,7 @@ class BlockService:
             return PutResult(meta=existing, created=False)
         await self._admission.admit(namespace=key.namespace, size=size, replacing=existing.size if existing else 0)
         try:
-            staged = await self._store.stage(path, body, size=size, expected_digest=digest)
+            staged = await self._versions.stage(path, body, size=size, expected_digest=digest)
 
             async def commit() -> PutResult:
                 async with self._versions.change(path) as change:

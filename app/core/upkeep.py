@@ -16,7 +16,6 @@ import asyncio
 import dataclasses
 import enum
 import logging
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -110,8 +109,9 @@ class Upkeep:
         return sum(p.end - p.start for p in parts)
 
     async def drop_idle_uploads(self, *, idle_s: float) -> int:
-        """Drop every upload with no part for ``idle_s`` seconds (a writer that died mid-object); how many."""
-        cutoff = time.time() - idle_s
+        """Drop every upload with no part for ``idle_s`` seconds (a writer that died mid-object); how many. Parts
+        are timed by the index's clock, and so is the cutoff: never this machine's clock against another's."""
+        cutoff = await self._index.db_now() - idle_s
         dropped = 0
         for upload in await self._index.uploads():
             if upload.last_part_at < cutoff and await self.drop_upload(upload, idle_since=cutoff):
@@ -284,13 +284,16 @@ class Upkeep:
                 return "kept"
             return "dropped" if await self._store.drop_leftover(leftover) else "kept"
 
-    async def retire_unnamed(self, key: str, *, stamp: str | None) -> bool:
-        """Remove version ``stamp`` of ``key`` (a versioned store's object) if no row names it; True if removed.
-        The caller passes only versions older than any commit can still name (``Versions`` refuses to commit a
-        version staged longer ago than half that)."""
+    async def retire_unnamed(self, key: str, *, stamp: str | None, older_than_s: float) -> bool:
+        """Remove version ``stamp`` of ``key`` (a versioned store's object) if no row names it and no writer can
+        still commit it: its staging intent, if any, is older than ``older_than_s`` by the index's clock and is
+        taken, in one transaction that the commit's own excludes (app/index/staging.py). True if removed."""
         async with self._versions.change(key) as change:
-            row = await change.row()
-            if row is not None and row.stamp == stamp:
+            if stamp is None:  # the unversioned object (an earlier release's, or imported): no staging, no intent
+                row = await change.row()
+                if row is None or row.stamp is None:
+                    return False
+            elif not await self._index.claim_version(key=key, stamp=stamp, older_than_s=older_than_s):
                 return False
             return await self._store.remove(key, stamp=stamp)
 

@@ -35,13 +35,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 
 from app.core.events import NO_EVENTS, EventSink
 from app.core.keystate import KeyLocks, MetaCache
 from app.core.usage import Usage
-from app.errors import BackendUnavailable, CommitUnknown, IndexUnavailable, KVGateError
+from app.errors import BackendUnavailable, CommitUnknown, IndexUnavailable, KVGateError, StagingExpired
 from app.index import ANY, BlockRecord, Expect, Index, Swap
 from app.storage import BlockStore
 from app.storage.base import Staged, Version
@@ -204,9 +204,37 @@ class Versions:
         self._retiring.add(task)
         task.add_done_callback(self._retiring.discard)
 
-    async def discard(self, staged: Staged) -> None:
+    async def stage(
+        self,
+        key: str,
+        body: AsyncIterable[bytes],
+        *,
+        size: int,
+        expected_digest: str | None = None,
+        algorithm: str | None = None,
+    ) -> Staged:
+        """Step 1: write and check a new version of ``key``, unseen. On a versioned store its staging intent is
+        recorded first, by the index's clock (app/index/staging.py): no sweep removes the object while it may still
+        commit, and the commit is refused once a sweep has taken it, whatever the machines' clocks say."""
+        stamp = self.store.new_stamp()
+        if stamp is not None:
+            await self.index.add_intent(key=key, stamp=stamp)
+        try:
+            return await self.store.stage(
+                key, body, size=size, expected_digest=expected_digest, algorithm=algorithm, stamp=stamp
+            )
+        except BaseException:
+            if stamp is not None:
+                with contextlib.suppress(KVGateError):  # else an old intent, which a sweep removes
+                    await self.index.drop_intent(key=key, stamp=stamp)
+            raise
+
+    async def discard(self, staged: Staged, *, intent: bool = True) -> None:
+        """Drop a staged version (and its staging intent, unless a transaction took it already: ``intent``)."""
         try:
             await self.store.discard(staged)
+            if intent and self.store.versioned:
+                await self.index.drop_intent(key=staged.key, stamp=staged.stamp)
         except KVGateError as exc:  # a leftover: the next sweep removes it (no row names it)
             log.warning("could not drop staged data key=%s: %s", staged.key, exc)
 
@@ -233,8 +261,9 @@ class Change:
             await v.discard(staged)
             raise BackendUnavailable(f"{key.path!r}: staged {STAGED_MAX_AGE_S:.0f}+ s ago, too long to commit")
         record = row_for(key, staged.meta, stamp=staged.stamp, created_at=time.time())
+        intent = staged.stamp if v.store.versioned else None
         try:
-            swap = await v.index.swap_block(record, expect=expect, note=v._events.note(key.path))
+            swap = await v.index.swap_block(record, expect=expect, note=v._events.note(key.path), intent=intent)
         except CommitUnknown as exc:
             try:
                 swap = await self._settle_swap(record, exc)
@@ -247,8 +276,11 @@ class Change:
         except BaseException:
             await v.discard(staged)
             raise
+        if swap.fenced:  # a sweep took the staged version (it waited too long, by the index's clock): never commit
+            await v.discard(staged, intent=False)
+            raise StagingExpired(f"{key.path!r}: the staged version was swept before its commit")
         if not swap.written:
-            await v.discard(staged)
+            await v.discard(staged, intent=False)  # the swap took the intent
             kept = None if swap.old is None else meta_of(swap.old)
             self.made = kept
             return Committed(meta=kept or meta_of(record), old=swap.old, written=False)

@@ -14,12 +14,15 @@ from app.index.records import (
     Upload,
 )
 from app.index.repository import Index
+from app.index.staging import FENCED, Fenced
 
 __all__ = [
     "ABSENT",
     "ANY",
+    "FENCED",
     "BlockRecord",
     "Expect",
+    "Fenced",
     "Index",
     "LogNote",
     "NamespaceRecord",

@@ -145,3 +145,20 @@ class EventState(Base):
     """The ids of the rows held, comma-separated."""
     waiting: Mapped[str] = mapped_column(Text, default="{}")
     """JSON: the token of each PUT that held rows still wait for -> its key."""
+
+
+class StagingIntent(Base):
+    """A version object (S3) or a part's object being written and not yet committed: recorded, with the DATABASE's
+    clock, before the object is written. The commit that names the object deletes its intent in its own transaction
+    and is refused if it is gone; a sweep deletes an intent only once it is old by the same clock, and removes the
+    object only if it did. So a swept object is never committed and a committed one never swept, whatever the
+    clocks of the writer's and the sweeper's machines say (alembic 0008)."""
+
+    __tablename__ = "staging"
+
+    key: Mapped[str] = mapped_column(String(640), primary_key=True)
+    """The block's key (a version object), or the part object's store key."""
+    stamp: Mapped[str] = mapped_column(String(80), primary_key=True)
+    """The version's stamp; '' for a part's object."""
+    staged_at: Mapped[float] = mapped_column(Float)
+    """Seconds since the epoch by the database's clock."""

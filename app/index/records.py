@@ -48,6 +48,8 @@ class Swap:
     """The row before (None: the key was absent)."""
     written: bool
     """False when nothing changed: the row was not what the change expected, or it already held the same bytes."""
+    fenced: bool = False
+    """Nothing was written because the staged version's intent was gone: a sweep took it (app/index/staging.py)."""
 
 
 @dataclass(frozen=True, slots=True)

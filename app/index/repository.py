@@ -39,6 +39,7 @@ from app.index.records import (
     row_values,
 )
 from app.index.scans import Scans
+from app.index.staging import FENCED, PART, Fenced, StagingOps
 
 log = logging.getLogger("kvgate.index")
 T = TypeVar("T")
@@ -48,7 +49,7 @@ SETTLE_WAIT_S = 10.0
 finished, or a connection it has not yet found dropped) before it gives up (IndexUnavailable: still unknown)."""
 
 
-class Index(Scans, EventLogOps):
+class Index(Scans, EventLogOps, StagingOps):
     """Block rows, parts and namespaces: point reads (batched), the changes of one key, access times written behind;
     the group-commit writer is ``app.index.writer``, the whole-table reads and bulk writes ``app.index.scans``, the
     KV event log ``app.index.eventlog`` (``events``: every change of a block row adds its row there)."""
@@ -130,17 +131,23 @@ class Index(Scans, EventLogOps):
         """The by-key read and the upsert as SQLite's own SQL, compiled once from the same statements."""
         return _DriverStatements(dialect=self.engine.dialect, get=self._get_bound, upsert=self._upsert_bound)
 
-    async def swap_block(self, record: BlockRecord, *, expect: Expect = ANY, note: LogNote | None = None) -> Swap:
+    async def swap_block(
+        self, record: BlockRecord, *, expect: Expect = ANY, note: LogNote | None = None, intent: str | None = None
+    ) -> Swap:
         """Make ``record`` the row of its key, in one transaction that reads the row it replaces (the key held),
         if the row is what the caller expects: ``ANY`` (a PUT: whatever is there; nothing is written when the row
         already holds the same bytes, same digest and size), ``ABSENT`` (create-only), or a stamp (a change decided
         from a version observed earlier: only if the row still names that version). ``Swap`` says what was found
         and whether it was written. A write of other bytes than the row's (or of a new key) adds its event-log row
-        in the same transaction, with ``note``."""
+        in the same transaction, with ``note``. ``intent``: the staged version's stamp, whose staging intent the
+        transaction takes whatever it writes; nothing is written if it is gone (``Swap.fenced``: a sweep took it,
+        app/index/staging.py)."""
         values = row_values(record)
         driver = self._sqlite_swap if self._dialect == "sqlite" else None
 
         def run(conn: Connection) -> Swap:
+            if intent is not None and not self._take_intent(conn, record.key, intent):
+                return Swap(old=None, written=False, fenced=True)
             if driver is not None:  # SQLite: the same statements on the driver's connection, inside the transaction
                 swap = driver.swap(conn, record, values, expect)
             else:
@@ -355,12 +362,18 @@ class Index(Scans, EventLogOps):
 
     # -- parts of multi-part objects -------------------------------------------------------------------------
 
-    async def add_part(self, part: PartRecord, *, namespace: str) -> list[PartRecord] | None:
+    async def add_part(
+        self, part: PartRecord, *, namespace: str, intent: bool = False
+    ) -> list[PartRecord] | Fenced | None:
         """Record a part, create-only on (key, start): the key's parts after it, or None if a part already starts
         there. One transaction holding the key (PostgreSQL: its advisory lock), so of two writers recording the last
-        two parts of an object on two replicas, the second sees the first's part and completes the cover."""
+        two parts of an object on two replicas, the second sees the first's part and completes the cover.
+        ``intent``: the part's object has a staging intent, which the transaction takes; ``FENCED`` (nothing
+        recorded) if it is gone (a sweep took it: app/index/staging.py)."""
 
-        def run(conn: Connection) -> list[PartRecord] | None:
+        def run(conn: Connection) -> list[PartRecord] | Fenced | None:
+            if intent and not self._take_intent(conn, part.store_key, PART):
+                return FENCED
             self._lock_key(conn, part.key)
             ins = self._insert(Part).values(
                 key=part.key,
@@ -369,14 +382,14 @@ class Index(Scans, EventLogOps):
                 total=part.total,
                 digest=part.digest,
                 store_key=part.store_key,
-                created_at=time.time(),
+                created_at=self._db_now(),  # the database's clock: idle uploads are told by it alone
                 namespace=namespace,
             )
             if not conn.execute(ins.on_conflict_do_nothing(index_elements=[Part.key, Part.start])).rowcount:
                 return None
             return _parts_of(conn, part.key)
 
-        parts: list[PartRecord] | None = await self._write(run)
+        parts: list[PartRecord] | Fenced | None = await self._write(run)
         return parts
 
     async def get_parts(self, key: str) -> list[PartRecord]:

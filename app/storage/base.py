@@ -137,10 +137,17 @@ class BlockStore(Protocol):
         size: int,
         expected_digest: str | None = None,
         algorithm: str | None = None,
+        stamp: str | None = None,
     ) -> Staged:
         """Write and check a new version of block ``key`` without making it visible (``put``'s checks apply; with
         no ``expected_digest`` its checksum is computed in ``algorithm``, by default kvgate's); it is durable once
-        this returns, and its stamp never names another version, on any store. Its meta carries the chunk CRCs."""
+        this returns, and its stamp never names another version, on any store. Its meta carries the chunk CRCs.
+        ``stamp``: the version's stamp, from ``new_stamp`` (a versioned store; others name their own)."""
+
+    def new_stamp(self) -> str | None:
+        """(``versioned`` stores) A fresh stamp for ``stage``, so that the version can be fenced in the index before
+        it is written (app/index/staging.py); None: the store names its versions itself."""
+        return None
 
     async def publish(self, staged: Staged) -> None:
         """Make a staged version the one under its key (filesystem: the rename; S3: nothing, the row names it)."""

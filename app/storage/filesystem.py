@@ -51,6 +51,7 @@ from app.storage.fs_files import (
     id_of,
     io,
     lock_file,
+    make_dirs,
     new_id,
     probe_xattrs,
     quarantine_file,
@@ -183,8 +184,11 @@ class FilesystemStore(BlockStore):
         size: int,
         expected_digest: str | None = None,
         algorithm: str | None = None,
+        stamp: str | None = None,
     ) -> Staged:
         """Stream ``body`` into a staged file beside the key's file, check it, stamp it, fsync it; not renamed."""
+        if stamp is not None:
+            raise ValueError("this store names its versions itself (new_stamp is None)")
         vid = new_id()
         tmp = temp_file(vid, self.file_of(key))
         checker = BodyChecker(size=size, expected_digest=expected_digest, algorithm=algorithm)
@@ -195,7 +199,7 @@ class FilesystemStore(BlockStore):
             # one worker-thread hop per batch; a body that fits one batch is created, written and sealed in one
             nonlocal fd
             if fd < 0:
-                fd = create_locked(tmp)
+                fd = create_locked(tmp, fsync=self._fsync)
             for piece in pieces:  # the network chunks go down as one writev: hashed and written in place, no copy
                 checker.update(piece)
             write_all(fd, pieces, None)
@@ -242,7 +246,7 @@ class FilesystemStore(BlockStore):
             try:
                 fd = os.open(path, flags, 0o644)
             except FileNotFoundError:
-                path.parent.mkdir(parents=True, exist_ok=True)
+                make_dirs(path.parent, fsync=self._fsync)
                 fd = os.open(path, flags, 0o644)
             try:
                 copy_range(temp.fd, fd, size=source.meta.size, offset=offset, chunk_bytes=self._chunk)
@@ -273,10 +277,10 @@ class FilesystemStore(BlockStore):
                 try:
                     linked = _link(src, tmp)
                 except FileNotFoundError:
-                    tmp.parent.mkdir(parents=True, exist_ok=True)
+                    make_dirs(tmp.parent, fsync=self._fsync)
                     linked = _link(src, tmp)
                 if not linked:  # a filesystem without hard links: a copy, created locked
-                    copy = create_locked(tmp)
+                    copy = create_locked(tmp, fsync=self._fsync)
                     try:
                         copy_range(fd, copy, size=total, offset=0, chunk_bytes=self._chunk)
                     finally:

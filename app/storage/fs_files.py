@@ -20,6 +20,7 @@ file, and makes it again if not (``create_locked``); an upload's file is locked 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import fcntl
@@ -175,7 +176,27 @@ def lock_file(fd: int, *, wait: bool = False) -> bool:
     return True
 
 
-def create_locked(path: str | Path, *, tries: int = 3) -> int:
+def make_dirs(path: str | Path, *, fsync: bool) -> None:
+    """Create directory ``path`` and its missing ancestors; ``fsync``: each one made is then fsynced in its parent,
+    once (a file published under it, its own directory fsynced, must not lose the directories above it to a power
+    loss). A directory another process made meanwhile is fsynced in its parent all the same."""
+    missing: list[str] = []
+    at = os.fspath(path)
+    while not os.path.isdir(at):
+        missing.append(at)
+        parent = os.path.dirname(at)
+        if parent == at:
+            break
+        at = parent
+    for made in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(made)
+    if fsync:
+        for made in reversed(missing):
+            fsync_dir(os.path.dirname(made))
+
+
+def create_locked(path: str | Path, *, fsync: bool = True, tries: int = 3) -> int:
     """Create ``path`` (exclusively, its directory if need be) holding the writer's lock. A sweep can open the
     file between its creation and the lock (it locks it, then unlinks it or lets it be): so the lock is waited
     for, never skipped, and then the name is checked to be still this very file; one swept in between is made
@@ -185,7 +206,7 @@ def create_locked(path: str | Path, *, tries: int = 3) -> int:
         try:  # the key's directory is there for all but a prefix's first block: no mkdir walk per PUT
             fd = os.open(path, flags, 0o644)
         except FileNotFoundError:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            make_dirs(os.path.dirname(path), fsync=fsync)
             fd = os.open(path, flags, 0o644)
         try:
             lock_file(fd, wait=True)  # a sweep holds it for a few calls at most

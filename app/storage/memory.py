@@ -69,7 +69,10 @@ class MemoryStore(BlockStore):
         size: int,
         expected_digest: str | None = None,
         algorithm: str | None = None,
+        stamp: str | None = None,
     ) -> Staged:
+        if stamp is not None:
+            raise ValueError("this store names its versions itself (new_stamp is None)")
         checker = BodyChecker(size=size, expected_digest=expected_digest, algorithm=algorithm)
         buf = bytearray()
         async for chunk in body:

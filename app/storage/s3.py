@@ -202,13 +202,17 @@ class S3Store(BlockStore):
         size: int,
         expected_digest: str | None = None,
         algorithm: str | None = None,
+        stamp: str | None = None,
     ) -> Staged:
         """Write the version under its own object name: visible to no reader until an index row names it."""
-        stamp = uuid.uuid4().hex
+        stamp = stamp or self.new_stamp()
         name = self.version_name(key, stamp)
         checker = BodyChecker(size=size, expected_digest=expected_digest, algorithm=algorithm)
         meta = await self._write(name, body, checker)
         return Staged(key=key, meta=meta, stamp=stamp, handle=name)
+
+    def new_stamp(self) -> str:
+        return uuid.uuid4().hex
 
     async def publish(self, staged: Staged) -> None:
         return None  # the committed row names the version's object: nothing to move

@@ -118,4 +118,5 @@ def test_bad_headers(gateway: Gateway) -> None:
         r = c.post("/v1/lookup", json={"keys": ["../x"]})
         assert r.status_code == 400
     files = {"blocks", "index.db", "index.db-shm", "index.db-wal", "index.db.migrate.lock", "kvgate.coord"}
+    files.add(".index.db.kvgate-owner")  # which data directory coordinates the index (app/core/ownership.py)
     assert set(os.listdir(gateway.data_dir)) <= files

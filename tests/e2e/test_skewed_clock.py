@@ -33,7 +33,7 @@ from app.core.coordination import stripe_of
 from tests.conftest import key_for, matches, random_bytes
 from tests.gateway import REPO, Gateway
 from tests.s3_servers import S3_CREDS, S3TestServer
-from tests.services import asyncpg_dsn, unique_bucket
+from tests.services import asyncpg_dsn, require_or_skip, unique_bucket
 
 AHEAD_MIN = {"moto": 30, "seaweedfs": 14}
 STALE_S = "300"
@@ -44,7 +44,7 @@ _FLOCK = struct.Struct("@hhqqi4x")
 def _faketime() -> str:
     found = sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1"))
     if not found:
-        pytest.skip("libfaketime not installed (apt-get install -y faketime)")
+        require_or_skip("libfaketime not installed (apt-get install -y faketime)")
     return found[0]
 
 

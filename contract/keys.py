@@ -42,13 +42,17 @@ _SHA256_LINES_RE = re.compile(  # the usual batch, every check in the regex: che
     # sha256 block hashes (64 hex: even, and the directory prefixes by back-reference) and groups under 10**9
     rf"(?:{_NS}_r(?:0|[1-9][0-9]{{0,5}})/([0-9a-f]{{3}})/([0-9a-f]{{2}})_g(?:0|[1-9][0-9]{{0,8}})/\1\2[0-9a-f]{{59}}\.bin\n)++"
 )
+_GROUP_BELOW_2_32 = (  # 0 to 4294967295, digit by digit: a pattern has no numeric bound
+    "0|[1-9][0-9]{0,8}|[1-3][0-9]{9}|4[01][0-9]{8}|42[0-8][0-9]{7}|429[0-3][0-9]{6}|4294[0-8][0-9]{5}"
+    "|42949[0-5][0-9]{4}|429496[0-6][0-9]{3}|4294967[01][0-9]{2}|42949672[0-8][0-9]|429496729[0-5]"
+)
 BLOCK_KEY_PATTERN = (
-    rf"^{_NS}_r(?:0|[1-9][0-9]{{0,5}})/([0-9a-f]{{3}})/([0-9a-f]{{2}})_g(?:0|[1-9][0-9]{{0,9}})/"
+    rf"^{_NS}_r(?:0|[1-9][0-9]{{0,5}})/([0-9a-f]{{3}})/([0-9a-f]{{2}})_g(?:{_GROUP_BELOW_2_32})/"
     r"\1\2[0-9a-f](?:[0-9a-f]{2}){5,61}\.bin$"
 )
 """The block key grammar as one regex that JSON Schema (ECMA-262) and Python read alike, for the OpenAPI spec: the
-directory prefixes by back-reference, the hash of even length 16-128. Looser than :func:`parse_block_key` only
-in the group's bound (below 2**32) and the length (:data:`MAX_KEY_LEN`, the schema's ``maxLength``)."""
+directory prefixes by back-reference, the hash of even length 16-128, the group below 2**32. Looser than
+:func:`parse_block_key` only in the length (:data:`MAX_KEY_LEN`, the schema's ``maxLength``)."""
 NAMESPACE_PATTERN = f"^{_NS}$"
 """A namespace (``<safe_model>_<digest>``), as :func:`parse_namespace` takes it."""
 _HEADS: dict[str, tuple[str, int]] = {}

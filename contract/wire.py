@@ -105,14 +105,18 @@ _UINT = re.compile(r"[0-9]{1,18}", re.ASCII)
 _TOKEN_IDS = re.compile(rf"[0-9]{{1,{MAX_TOKEN_ID_DIGITS}}}(?:,[0-9]{{1,{MAX_TOKEN_ID_DIGITS}}})*", re.ASCII)
 _PARENT = re.compile(r"(?:[0-9a-fA-F]{2}){8,32}", re.ASCII)
 """A block hash: whole bytes of hex, 8 to 32 of them (an odd length is no hash, and no vLLM event could carry it)."""
+_CHECKSUM_PATTERN = r"^(?:crc64nvme=[A-Za-z0-9+/]{10}|sha256=[A-Za-z0-9+/]{42})[AEIMQUYcgkosw048]=$"
+"""A checksum header as :func:`parse_checksum` takes it: an algorithm kvgate speaks and its value in canonical base64
+(8 and 32 bytes both end in one ``=`` after a character whose two unused bits are 0)."""
 HEADER_PATTERNS = {
-    "Range": r"^[Bb][Yy][Tt][Ee][Ss]=[0-9]{0,18}-[0-9]{0,18}$",
+    "Range": r"^[Bb][Yy][Tt][Ee][Ss]=(?:[0-9]{1,18}-[0-9]{0,18}|-[0-9]{1,18})$",
     "Content-Range": f"^{_CONTENT_RANGE.pattern}$",
-    CHECKSUM_HEADER: f"^{_CHECKSUM.pattern}$",
-    PART_CHECKSUM_HEADER: f"^{_CHECKSUM.pattern}$",
+    CHECKSUM_HEADER: _CHECKSUM_PATTERN,
+    PART_CHECKSUM_HEADER: _CHECKSUM_PATTERN,
     DIGEST_HEADER: f"^{_HEX64.pattern}$",
     PART_DIGEST_HEADER: f"^{_HEX64.pattern}$",
     "If-None-Match": r"^\*$",
+    "Last-Event-ID": f"^{_UINT.pattern}$",
 }
 """Request headers with a grammar, as JSON Schema (ECMA-262) patterns for the OpenAPI spec: what the parsers above
 take (an algorithm's name and its value's length are checked past the pattern)."""
@@ -313,6 +317,8 @@ def parse_checksum(value: str, *, header: str = CHECKSUM_HEADER) -> Checksum:
         raise MalformedHeader(f"{header}: the value is not base64") from exc
     if len(raw) != ALGORITHMS[algorithm]:
         raise MalformedHeader(f"{header}: a {algorithm} value is {ALGORITHMS[algorithm]} bytes, got {len(raw)}")
+    if base64.b64encode(raw).decode("ascii") != m[2]:
+        raise MalformedHeader(f"{header}: the value is not canonical base64 (its unused bits must be 0)")
     return Checksum.of(algorithm, raw)
 
 

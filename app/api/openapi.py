@@ -49,7 +49,7 @@ def describe_inputs(spec: dict[str, Any], *, max_lookup_keys: int, max_config_by
                 name = param.get("name", "")
                 if param.get("in") == "header" and name.lower() in _NOT_PARAMETERS:
                     continue
-                if param.get("in") == "path" and name in PATH_PARAMETERS:
+                if param.get("in") in ("path", "query") and name in PATH_PARAMETERS:
                     param["schema"] = PATH_PARAMETERS[name]
                 elif param.get("in") == "header":
                     pattern = next((p for h, p in HEADER_PATTERNS.items() if h.lower() == name.lower()), None)
@@ -91,6 +91,43 @@ def document_limits(spec: dict[str, Any]) -> dict[str, Any]:
             responses.setdefault("413", {"description": "the body is too large", **ref})
             if method == "put" and path.startswith(UPLOAD_PREFIX):
                 responses.setdefault("429", {"description": "too many uploads in flight; see Retry-After", **ref})
+    return spec
+
+
+_BLOCK = "/v1/blocks/{path}"
+_CONFIG = "/v1/namespaces/{namespace}/config"
+_NAMESPACE = "/v1/namespaces/{namespace}"
+LINKS: dict[tuple[str, str], tuple[tuple[str, ...], dict[str, tuple[str, str]], dict[str, str]]] = {
+    (_BLOCK, "put"): (
+        ("200", "201"),
+        {"Get": (_BLOCK, "get"), "Head": (_BLOCK, "head"), "Delete": (_BLOCK, "delete")},
+        {"path": "$request.path.path"},
+    ),
+    (_BLOCK, "delete"): (("204",), {"Get": (_BLOCK, "get"), "Head": (_BLOCK, "head")}, {"path": "$request.path.path"}),
+    (_CONFIG, "put"): (("200", "201"), {"Get": (_CONFIG, "get")}, {"namespace": "$request.path.namespace"}),
+    (_NAMESPACE, "delete"): (("200",), {"Get": (_NAMESPACE, "get")}, {"namespace": "$request.path.namespace"}),
+}
+"""OpenAPI links between operations on one resource, for clients that chain them (schemathesis' stateful phase):
+a stored block can be read, probed and deleted by the same path, a deleted one is then a miss; a stored config is
+read back by its namespace; a purged namespace is then a miss. Keyed by (path, method): (the statuses that carry
+the links, each link's name and target, the target's parameters as runtime expressions)."""
+
+
+def link_operations(spec: dict[str, Any]) -> dict[str, Any]:
+    """Add :data:`LINKS` to the responses of the operations the spec has."""
+    paths = spec.get("paths", {})
+    for (path, method), (statuses, targets, parameters) in LINKS.items():
+        source = paths.get(path, {}).get(method)
+        found = {name: paths.get(p, {}).get(m, {}).get("operationId") for name, (p, m) in targets.items()}
+        if source is None:
+            continue
+        for status in statuses:
+            response = source.get("responses", {}).get(status)
+            if response is None:
+                continue
+            response["links"] = {
+                name: {"operationId": op_id, "parameters": dict(parameters)} for name, op_id in found.items() if op_id
+            }
     return spec
 
 
@@ -148,5 +185,6 @@ def install(app: FastAPI, settings: Settings, *, secured: bool) -> None:
         lambda spec: describe_inputs(spec, max_lookup_keys=settings.max_lookup_keys, max_config_bytes=MAX_CONFIG_BYTES),
     )
     extend_openapi(app, document_limits)
+    extend_openapi(app, link_operations)
     if secured:
         extend_openapi(app, lambda spec: secure_spec(spec, metrics_public=settings.metrics_public))

@@ -54,8 +54,9 @@ async def events(
     if feed is None:
         raise EventsDisabled("KV events are off (KVGATE_EVENTS_ENABLED=true turns them on)")
     first = None if since is None else wire.parse_uint(since, what="since")
-    if first is None and last_event_id is not None:
-        first = wire.parse_uint(last_event_id, what="Last-Event-ID") + 1
+    if last_event_id is not None:  # read even where ``since`` wins: a malformed one is a 400 either way
+        resume = wire.parse_uint(last_event_id, what="Last-Event-ID") + 1
+        first = resume if first is None else first
     if namespace is not None:
         parse_namespace(namespace)  # InvalidKey: a 400
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import re
 import threading
 
 from tests.gateway import free_port
@@ -35,6 +36,9 @@ class PgFaultProxy:
         self.down = False
         self.hold_s = 0.0
         """The reply to each COMMIT is held this long before it is passed on (the server has committed meanwhile)."""
+        self.lose_only: re.Pattern[bytes] | None = None
+        """When set, only the COMMIT of a transaction one of whose statements matches it may lose its reply (e.g. the
+        transactions that write a block's row, not a staging intent's)."""
         self.commits = 0
         self.lost = 0
         self._open: set[asyncio.Task[None]] = set()
@@ -110,6 +114,8 @@ class PgFaultProxy:
 
         async def client_to_server() -> None:
             typed = False
+            matched = False
+            prepared: dict[bytes, bool] = {}  # a prepared statement's name: whether its text matches ``lose_only``
             while True:
                 if typed:
                     kind = await client_r.readexactly(1)
@@ -120,10 +126,13 @@ class PgFaultProxy:
                 if not typed:
                     typed = int.from_bytes(body[:4], "big") not in _UNTYPED_REQUESTS
                 elif _is_commit(kind, body):
-                    if self._lose_this_one():
+                    if (self.lose_only is None or matched) and self._lose_this_one():
                         losing.set()
                     elif self.hold_s > 0:
                         holding.set()
+                    matched = False
+                elif self.lose_only is not None:
+                    matched = matched or self._matches(kind, body, prepared)
                 server_w.write(kind + head + body)
                 await server_w.drain()
 
@@ -153,6 +162,20 @@ class PgFaultProxy:
             for writer in (client_w, server_w):
                 with contextlib.suppress(Exception):
                     writer.transport.abort()
+
+    def _matches(self, kind: bytes, body: bytes, prepared: dict[bytes, bool]) -> bool:
+        """Whether this message runs a statement whose text matches ``lose_only``: a simple Query, or a Bind of a
+        statement prepared (Parse: name, text) on this connection earlier (asyncpg caches them)."""
+        assert self.lose_only is not None
+        if kind == b"Q":
+            return self.lose_only.search(body) is not None
+        if kind == b"P":
+            name, _, rest = body.partition(b"\0")
+            prepared[name] = hit = self.lose_only.search(rest.partition(b"\0")[0]) is not None
+            return hit
+        if kind == b"B":
+            return prepared.get(body.partition(b"\0")[2].partition(b"\0")[0], False)
+        return False
 
 
 def _is_commit(kind: bytes, body: bytes) -> bool:

@@ -25,6 +25,7 @@ from typing import Any, Final
 
 from sqlalchemy import Connection, delete, exists, literal_column, select
 
+from app.errors import CommitUnknown, IndexUnavailable
 from app.index.models import Block, Part, StagingIntent
 from app.index.writer import GroupCommit
 
@@ -53,9 +54,22 @@ class StagingOps(GroupCommit):
         return now
 
     async def add_intent(self, *, key: str, stamp: str = PART) -> None:
-        """Record that an object ``(key, stamp)`` is about to be written (step 1 of the module docstring)."""
+        """Record that an object ``(key, stamp)`` is about to be written (step 1 of the module docstring). A COMMIT
+        whose outcome is unknown is settled by reading the intent back: it is this writer's alone (its stamp or store
+        key is new) and only a sweep of old intents removes one, so found means recorded; not found (or not yet
+        committed) means the writer gives up before writing anything (IndexUnavailable), and an intent committed
+        after all is swept once old, with no object to remove."""
         values = {"key": key, "stamp": stamp, "staged_at": self._db_now()}
-        await self._write(lambda conn: conn.execute(self._insert(StagingIntent).values(**values)), point=True)
+        try:
+            await self._write(lambda conn: conn.execute(self._insert(StagingIntent).values(**values)), point=True)
+        except CommitUnknown as exc:
+            if not await self._has_intent(key=key, stamp=stamp):  # IndexUnavailable if that cannot be read either
+                raise IndexUnavailable(f"{key!r}: the staging intent's commit failed and it is not there") from exc
+
+    async def _has_intent(self, *, key: str, stamp: str) -> bool:
+        stmt = select(exists().where(StagingIntent.key == key, StagingIntent.stamp == stamp))
+        found: bool = await self._read(lambda conn: bool(conn.execute(stmt).scalar_one()))
+        return found
 
     async def drop_intent(self, *, key: str, stamp: str = PART) -> None:
         """Forget an intent whose object was discarded (nothing will commit it)."""

@@ -7,8 +7,10 @@ and checked against their checksum there), and scatters the buffer into the KV c
 this one is scattered, so the network and the copies overlap; a load holds at most two windows of buffers.
 
 The first block that misses, fails or is corrupt ends the load: the blocks before it are loaded, it and every later
-block are reported to vLLM, which recomputes them. Parallel-agnostic runs GET this rank's byte range of each
-canonical object (``ranges[g]``); others GET the rank's whole object.
+block are reported to vLLM, which recomputes them. So does the load's deadline (``BlockJob.deadline_s``, from the
+cost model): when it passes, the GETs in flight are cancelled (their connections closed), the blocks read whole by
+then are scattered, and the first block that was not read ends the load. Parallel-agnostic runs GET this rank's
+byte range of each canonical object (``ranges[g]``); others GET the rank's whole object.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 from collections.abc import Sequence
 
 from connector.client import BlockClient, ConnectorError
+from connector.cost import LoadOutcome
 from connector.pinned import HostBuffer
 from connector.plan import BlockJob
 from connector.streams import CopyEvent
@@ -47,14 +50,18 @@ class BlockLoader:
         self.ranges = list(ranges)
         self.window = min(t.max_blocks_per_batch for t in self.transfers)
 
-    async def load(self, job: BlockJob, after: Sequence[CopyEvent] | None) -> int:
+    async def load(self, job: BlockJob, after: Sequence[CopyEvent] | None) -> LoadOutcome:
         """Load ``job``'s blocks in order; how many were loaded (a prefix of them: see the module's docstring).
 
-        ``after[g]``: the event that every scatter into group ``g`` waits on (``WorkerPipeline.start_loads``)."""
+        ``after[g]``: the event that every scatter into group ``g`` waits on (``WorkerPipeline.start_loads``).
+        ``job.deadline_s``: past it, the GETs in flight are cancelled; the blocks read whole before it are
+        scattered, the rest is reported (``LoadOutcome.expired``)."""
         n, started = len(job.hashes), time.monotonic()
+        until = None if job.deadline_s is None else asyncio.get_running_loop().time() + job.deadline_s
         windows = [(s, min(n, s + self.window)) for s in range(0, n, self.window)]
         loaded, read_s, scatter_s = 0, 0.0, 0.0
-        reads = [asyncio.ensure_future(self._read(job, *windows[0]))] if windows else []
+        arrived = [0]
+        reads = [asyncio.ensure_future(self._read(job, *windows[0], until, arrived))] if windows else []
         try:
             for i, (start, end) in enumerate(windows):
                 t = time.monotonic()
@@ -62,7 +69,7 @@ class BlockLoader:
                 read_s += time.monotonic() - t
                 whole = got == end - start
                 if whole and i + 1 < len(windows):  # read the next window while this one is scattered
-                    reads.append(asyncio.ensure_future(self._read(job, *windows[i + 1])))
+                    reads.append(asyncio.ensure_future(self._read(job, *windows[i + 1], until, arrived)))
                 t = time.monotonic()
                 await self._scatter(job, start, got, buffers, after)
                 scatter_s += time.monotonic() - t
@@ -74,36 +81,64 @@ class BlockLoader:
         finally:
             for read in reads:
                 await _drop(read)
+        seconds = time.monotonic() - started
+        expired = until is not None and loaded < n and asyncio.get_running_loop().time() >= until
+        if expired:
+            log.warning(
+                "load req=%s past its deadline %.3fs: %d of %d blocks loaded, the rest is recomputed",
+                job.req_id,
+                job.deadline_s,
+                loaded,
+                n,
+            )
         log.debug(
             "load req=%s: %d of %d blocks in %.3fs (waiting for reads %.3fs, scattering %.3fs)",
             job.req_id,
             loaded,
             n,
-            time.monotonic() - started,
+            seconds,
             read_s,
             scatter_s,
         )
-        return loaded
+        return LoadOutcome(loaded=loaded, nbytes=arrived[0], seconds=seconds, expired=expired)
 
-    async def _read(self, job: BlockJob, start: int, end: int) -> Window:
-        """Take the window's buffers and GET its blocks into them; how many blocks, from ``start``, are whole."""
+    async def _read(self, job: BlockJob, start: int, end: int, until: float | None, arrived: list[int]) -> Window:
+        """Take the window's buffers and GET its blocks into them; how many blocks, from ``start``, are whole.
+
+        ``until`` (loop time): the GETs still in flight then are cancelled, and their blocks are not whole.
+        ``arrived[0]`` counts the bytes of every GET that completed."""
         buffers: list[HostBuffer] = []
+        gets: list[asyncio.Task[bool]] = []
+        loop = asyncio.get_running_loop()
         try:
-            for transfer in self.transfers:
-                buffers.append(await transfer.load_pool.acquire())
-            # every read ends (or is cancelled) before the buffers can go back: none writes into a reused one
-            results = await asyncio.gather(
-                *(self._get(job, i, g, buffers[g], i - start) for i in range(start, end) for g in range(len(buffers))),
-                return_exceptions=True,
-            )
+            async with asyncio.timeout_at(until):
+                for transfer in self.transfers:
+                    buffers.append(await transfer.load_pool.acquire())
+        except TimeoutError:
+            _release(buffers)
+            return 0, []
         except BaseException:
             _release(buffers)
             raise
-        ok = [r is True for r in results]
-        for r in results:
-            if isinstance(r, BaseException):
-                log.error("load read of req=%s crashed: %r", job.req_id, r)
+        try:
+            gets = [
+                asyncio.ensure_future(self._get(job, i, g, buffers[g], i - start))
+                for i in range(start, end)
+                for g in range(len(buffers))
+            ]
+            await asyncio.wait(gets, timeout=None if until is None else max(0.0, until - loop.time()))
+        except BaseException:
+            await _stop(gets)
+            _release(buffers)
+            raise
+        # every read ends (or is cancelled) before the buffers can go back: none writes into a reused one
+        await _stop(gets)
+        ok = [t.done() and not t.cancelled() and t.exception() is None and t.result() is True for t in gets]
+        for t in gets:
+            if t.done() and not t.cancelled() and (exc := t.exception()) is not None:
+                log.error("load read of req=%s crashed: %r", job.req_id, exc)
         width = len(buffers)
+        arrived[0] += sum(self.transfers[j % width].block_bytes() for j, good in enumerate(ok) if good)
         got = next((b for b in range(end - start) if not all(ok[b * width : (b + 1) * width])), end - start)
         return got, buffers
 
@@ -145,6 +180,14 @@ class BlockLoader:
 def _release(buffers: Sequence[HostBuffer]) -> None:
     for buffer in buffers:
         buffer.release()
+
+
+async def _stop(tasks: Sequence[asyncio.Task[bool]]) -> None:
+    """Cancel the GETs still in flight and wait until every one has ended (a cancelled GET closes its connection)."""
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks)
 
 
 async def _drop(task: asyncio.Task[Window]) -> None:

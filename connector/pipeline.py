@@ -32,6 +32,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from connector.client import BlockClient
+from connector.cost import LoadOutcome
 from connector.layout import BlockGeometry, rank_byte_range
 from connector.loader import BlockLoader
 from connector.plan import BlockJob
@@ -51,6 +52,8 @@ class PipelineStats:
     load_errors: int = 0
     load_waits: int = 0
     """Idle steps that waited for a load in flight (``finished_loads`` with ``wait_s``) instead of returning."""
+    expired_loads: int = 0
+    """Loads that ran out of their deadline (the blocks that had not arrived were reported)."""
 
 
 @dataclass(slots=True)
@@ -89,6 +92,7 @@ class WorkerPipeline:
         """Group -> newest store copy the forward stream has not been ordered after yet."""
         self._newest: dict[int, CopyEvent] = {}
         self._done_loads: deque[str] = deque()
+        self._outcomes: dict[str, LoadOutcome] = {}
         self._loader = BlockLoader(
             client=client,
             naming=naming,
@@ -287,12 +291,23 @@ class WorkerPipeline:
 
     async def _load(self, job: BlockJob, after: Sequence[CopyEvent] | None) -> set[int]:
         n = len(job.hashes)
-        loaded = await self._loader.load(job, after)
+        outcome = await self._loader.load(job, after)
+        loaded = outcome.loaded
         failed = {bid for group in job.block_ids for bid in group[loaded:]}
         self.stats.loaded_blocks += loaded
         if failed:
             self.stats.load_errors += n - loaded
+        if outcome.expired:
+            self.stats.expired_loads += 1
+        with self._lock:
+            self._outcomes[job.req_id] = outcome
         return failed
+
+    def take_outcomes(self) -> dict[str, LoadOutcome]:
+        """What the loads that ended since the last call measured, by request (for the scheduler's cost model)."""
+        with self._lock:
+            outcomes, self._outcomes = self._outcomes, {}
+        return outcomes
 
     def finished_loads(self, *, wait_s: float = 0.0) -> dict[str, set[int]]:
         """Loads that completed since the last call: request id -> block ids that failed to load.

@@ -1,21 +1,26 @@
 """What to load and store for each request: the scheduler-side core of the connector, free of vLLM.
 
-connector/vllm.py feeds it plain values (request ids, block hashes, block ids per KV-cache group, token counts)
-and ships the ``StepPlan`` it builds to the workers. One ``POST /v1/lookup`` per request decides the hit; the
-lookup runs on the client's loop and is picked up by a later call (``None``: "ask again"). A step that has work never
-waits on the network; a step with nothing scheduled (``build(idle=True)``) first waits up to ``lookup_wait_s`` for a
-lookup in flight, and tells the workers, which wait for their loads in flight (connector/pipeline.py): an engine that
-stepped again at once would spin, holding the GIL and a core that the lookups and loads need.
+connector/vllm.py feeds it plain values (request ids, block hashes, block ids per KV-cache group, token counts) and
+ships the ``StepPlan`` it builds to the workers. One ``POST /v1/lookup`` per request finds the hit (a lookup
+unanswered after ``lookup_deadline_s`` is a miss); the cost model decides how much of it to load, and the load's
+deadline (connector/cost.py); the lookup runs on the client's loop and is picked up by a later call (``None``: "ask
+again"). A step that has work never waits on the network; a step with nothing scheduled (``build(idle=True)``) first
+waits up to ``lookup_wait_s`` for a lookup in flight, and tells the workers, which wait for their loads in flight
+(connector/pipeline.py): an engine that stepped again at once would spin, holding the GIL and a core that the
+lookups and loads need.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import time
+import typing
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from connector.client import BlockClient, ConnectorError, LookupSlot
+from connector.cost import MIB, CostModel, Decision, LoadOutcome, Verdict
 from contract.keys import RunNaming, block_path
 from contract.wire import format_block_meta
 
@@ -32,6 +37,9 @@ class BlockJob:
     metas: tuple[str | None, ...] = ()
     """Stores: each block's ``X-KVGate-Block-Meta`` (its token ids and its parent's hash, from vLLM's request),
     so that the gateway's KV events say what vLLM's own say of it; empty: none."""
+    deadline_s: float | None = None
+    """Loads: the longest the load may take from its start on the worker; past it, the blocks that did not
+    arrive are reported failed (vLLM recomputes them). None: no deadline (the client's timeouts only)."""
 
 
 @dataclass(slots=True)
@@ -61,6 +69,49 @@ class _Request:
     """Leading blocks already planned for a store."""
     load_start: int = 0
     load_blocks: int = 0
+    lookup_sent: float = 0.0
+    lookup_answered: float | None = None
+    """When the lookup's answer came (set on the client's loop thread): its round trip, for the cost model."""
+    decision: Decision | None = None
+
+    def answered(self, _future: object) -> None:
+        self.lookup_answered = time.monotonic()
+
+
+@dataclass(slots=True)
+class PlanStats:
+    """What the cost model decided and what the loads then took (connector/cost.py)."""
+
+    loads: int = 0
+    """Hits loaded whole."""
+    partial: int = 0
+    """Hits of which a prefix was loaded (the rest does not fit the longest wait)."""
+    skipped: int = 0
+    """Hits not loaded: recomputing was predicted faster."""
+    probes: int = 0
+    """Hits loaded, with the shortest deadline, to measure a link no load had measured for a half-life."""
+    abandoned: int = 0
+    """Loads that ran out of their deadline: the blocks that had not arrived were recomputed."""
+    abandoned_lookups: int = 0
+    """Lookups with no answer within the lookup deadline: a miss, never a wait."""
+    predicted_load_s: float = 0.0
+    """Sum of the predicted times of the loads that ended (compare with ``actual_load_s``)."""
+    actual_load_s: float = 0.0
+    last_reason: str = ""
+
+    COUNTERS: typing.ClassVar[tuple[str, ...]] = (
+        "loads",
+        "partial",
+        "skipped",
+        "probes",
+        "abandoned",
+        "abandoned_lookups",
+        "predicted_load_s",
+        "actual_load_s",
+    )
+
+    def counters(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in self.COUNTERS}
 
 
 class KeyScheme:
@@ -97,7 +148,13 @@ class SchedulerPlanner:
         lookup_wait_s: float = 0.02,
         load_enabled: bool = True,
         store_enabled: bool = True,
+        cost: CostModel | None = None,
+        block_bytes: int = 0,
+        lookup_deadline_s: float | None = None,
     ) -> None:
+        """``cost``: decides per request how much of a hit to load, and its deadline (None: all, no deadline);
+        ``block_bytes``: a whole block's bytes over every rank and group, for it. ``lookup_deadline_s``: a lookup
+        with no answer by then is a miss."""
         if block_size % hash_block_size:
             raise ValueError(f"block size {block_size} is not a multiple of the hash block size {hash_block_size}")
         self.client = client
@@ -112,6 +169,13 @@ class SchedulerPlanner:
         """Lookups whose answer ``matched_tokens`` has not read yet (an idle step waits on them)."""
         self.lookup_waits = 0
         """Idle steps that waited for a lookup in flight."""
+        self.cost = cost
+        self.block_bytes = block_bytes
+        self.lookup_deadline_s = lookup_deadline_s
+        self.stats = PlanStats()
+        self._reported: dict[str, float] = {}
+        self._last_step: tuple[float, int] | None = None
+        """(when, tokens) of the last step with work: the next step's start times it (the prefill rate)."""
         self._plan = StepPlan()
 
     def _hashes(self, req: _Request, upto: int | None = None) -> list[bytes]:
@@ -143,16 +207,33 @@ class SchedulerPlanner:
             hashes = self._hashes(req)
             if not hashes:
                 return 0
+            req.lookup_sent = time.monotonic()
             req.lookup = self.client.submit(self.client.lookup(self.keys.keys(hashes)))
+            req.lookup.add_done_callback(req.answered)
             self._lookups.add(req.lookup)
         if not req.lookup.done():
-            return None  # never waited for here: the step may have work (an idle step waits in ``build``)
+            waited = time.monotonic() - req.lookup_sent
+            if self.lookup_deadline_s is None or waited < self.lookup_deadline_s:
+                return None  # never waited for here: the step may have work (an idle step waits in ``build``)
+            # a slow lookup is a miss, not a wait: the request is computed (its blocks are stored again, at worst)
+            req.lookup.cancel()
+            self._lookups.discard(req.lookup)
+            self.stats.abandoned_lookups += 1
+            if self.cost is not None:
+                self.cost.observe_lookup(seconds=waited)
+            log.warning("lookup of req=%s unanswered after %.3fs: a miss", req_id, waited)
+            return 0
         self._lookups.discard(req.lookup)
         try:
             prefix, _ = req.lookup.result()
+        except concurrent.futures.CancelledError:
+            return 0
         except ConnectorError as exc:
             log.warning("lookup failed req=%s: %s", req_id, exc)
             return 0
+        if self.cost is not None and req.lookup_answered is not None:
+            self.cost.observe_lookup(seconds=max(0.0, req.lookup_answered - req.lookup_sent))
+            req.lookup_answered = None  # counted once
         req.present = prefix // self.keys.keys_per_block
         req.stored = max(req.stored, req.present)
         if not self.load_enabled:
@@ -162,8 +243,51 @@ class SchedulerPlanner:
         if hit_blocks * self.block_size >= num_tokens:  # vLLM must compute at least the last token
             hit_blocks = (num_tokens - 1) // self.block_size
         extra = max(0, hit_blocks - local)
+        if extra and self.cost is not None:
+            extra = self._decide(req_id, req, extra)
         req.load_start, req.load_blocks = local, extra
         return extra * self.block_size if extra else 0
+
+    def _decide(self, req_id: str, req: _Request, extra: int) -> int:
+        """The cost model's share of a hit of ``extra`` blocks (decided once per request, counted once)."""
+        if self.cost is None:
+            return extra
+        if req.decision is None or req.decision.hit_blocks != extra:
+            req.decision = d = self.cost.plan(
+                hit_blocks=extra, block_tokens=self.block_size, block_bytes=self.block_bytes, now=time.monotonic()
+            )
+            if d.verdict is Verdict.LOAD:
+                self.stats.loads += 1
+            elif d.verdict is Verdict.PARTIAL:
+                self.stats.partial += 1
+            elif d.verdict is Verdict.PROBE:
+                self.stats.probes += 1
+            else:
+                self.stats.skipped += 1
+            self.stats.last_reason = d.reason
+            log.debug(
+                "req=%s %s %d of %d blocks: %s (load %.3fs, recompute %.3fs, deadline %.3fs)",
+                req_id,
+                d.verdict,
+                d.blocks,
+                d.hit_blocks,
+                d.reason,
+                d.predicted_load_s,
+                d.predicted_recompute_s,
+                d.deadline_s,
+            )
+        return req.decision.blocks
+
+    def loaded(self, *, req_id: str, outcome: LoadOutcome) -> None:
+        """What a load measured (the workers' report): into the bandwidth estimate, a miss included."""
+        req = self._requests.get(req_id)
+        if outcome.expired:
+            self.stats.abandoned += 1
+        self.stats.actual_load_s += outcome.seconds
+        if req is not None and req.decision is not None:
+            self.stats.predicted_load_s += req.decision.predicted_load_s
+        if self.cost is not None:
+            self.cost.observe_load(nbytes=outcome.nbytes, seconds=outcome.seconds, now=time.monotonic())
 
     def after_alloc(self, *, req_id: str, block_ids: Sequence[Sequence[int]], num_external_tokens: int) -> None:
         req = self._requests.get(req_id)
@@ -176,7 +300,8 @@ class SchedulerPlanner:
         hashes = self._hashes(req, upto=start + count)[start:]
         ids = tuple(tuple(g[start : start + len(hashes)]) for g in req.block_ids)
         if hashes and all(len(g) == len(hashes) for g in ids):
-            self._plan.loads.append(BlockJob(req_id=req_id, hashes=tuple(hashes), block_ids=ids))
+            deadline = None if req.decision is None or req.decision.blocks == 0 else req.decision.deadline_s
+            self._plan.loads.append(BlockJob(req_id=req_id, hashes=tuple(hashes), block_ids=ids, deadline_s=deadline))
         req.load_blocks = 0
 
     # -- the step ------------------------------------------------------------------------------------------
@@ -229,6 +354,26 @@ class SchedulerPlanner:
         plan, self._plan = self._plan, StepPlan()
         plan.idle = idle
         return plan
+
+    def report(self) -> dict[str, float]:
+        """What changed since the last report (counters), and the estimates now (``bandwidth_mib_s``,
+        ``prefill_tokens_s``); empty when nothing was decided or measured since."""
+        now = self.stats.counters()
+        delta = {k: v - self._reported.get(k, 0) for k, v in now.items() if v != self._reported.get(k, 0)}
+        self._reported = now
+        if delta and self.cost is not None:
+            delta["bandwidth_mib_s"] = self.cost.bandwidth(now=time.monotonic()) / MIB
+            delta["prefill_tokens_s"] = self.cost.prefill.value
+        return delta
+
+    def step(self, *, tokens: int) -> None:
+        """A step is being built with ``tokens`` scheduled: the time since the last step with work times it (the
+        engine's prefill rate, for the cost model; idle steps and decode-sized ones are not counted)."""
+        now = time.monotonic()
+        if self.cost is not None and self._last_step is not None:
+            when, last_tokens = self._last_step
+            self.cost.observe_step(tokens=last_tokens, seconds=now - when)
+        self._last_step = (now, tokens) if tokens > 0 else None
 
     def wait_for_lookups(self, *, timeout_s: float) -> bool:
         """Wait (GIL released) until a lookup in flight completes, at most ``timeout_s``; False when none was in

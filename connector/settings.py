@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Self
 
 from connector.client import ClientConfig
+from connector.cost import CostSettings
 from contract.wire import ALGORITHMS, CRC64NVME
 
 MIB = 1024 * 1024
@@ -153,6 +154,30 @@ class ConnectorSettings(_ClientSettings):
     load_buffers: int = 4
     load: bool = True
     store: bool = True
+    lookup_deadline_ms: float = 500.0
+    """A request's lookup with no answer by then is a miss (the request is computed), never a longer wait."""
+    load_deadline_min_ms: float = 500.0
+    load_deadline_max_ms: float = 5000.0
+    """The longest a request waits for its load: the cost model loads the prefix that fits, and every deadline is
+    at most this."""
+    load_deadline_factor: float = 2.0
+    """A load's deadline: its predicted time times this (within the two bounds above)."""
+    load_bandwidth_mib_s: float = 1000.0
+    """The load bandwidth assumed until loads measure it (and drifted back to while none does)."""
+    bandwidth_half_life_s: float = 30.0
+    prefill_tokens_per_s: float = 0.0
+    """The engine's prefill rate to start from (it is then learnt from the engine's steps); 0: unknown until
+    measured (a hit is then loaded whenever it fits ``load_deadline_max_ms``)."""
+
+    def cost_settings(self) -> CostSettings:
+        return CostSettings(
+            bandwidth_prior_bytes_s=self.load_bandwidth_mib_s * MIB,
+            bandwidth_half_life_s=self.bandwidth_half_life_s,
+            prefill_tokens_s=self.prefill_tokens_per_s,
+            deadline_factor=self.load_deadline_factor,
+            min_deadline_s=self.load_deadline_min_ms / 1000,
+            max_deadline_s=self.load_deadline_max_ms / 1000,
+        )
 
     def _client_fields(self) -> _ClientFields:
         return {
@@ -175,6 +200,8 @@ class TierSettings(_ClientSettings):
     connect_timeout_s: float = 0.5
     lookup_timeout_s: float = 0.5
     transfer_timeout_s: float = 30.0
+    load_deadline_ms: float = 5000.0
+    """The longest a load job may take: then the rows that arrived are reported loaded, the others recomputed."""
     retries: int = 1
     down_cooldown_s: float = 2.0
     lookup_batch_keys: int = 4096

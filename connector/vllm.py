@@ -5,12 +5,15 @@
                            "kv_role":"kv_both","kv_connector_extra_config":{"url":"http://127.0.0.1:8750"}}'
 
 Loads are asynchronous: ``get_num_new_matched_tokens`` answers from one ``POST /v1/lookup`` per request (``None``
-while it is in flight), the worker fetches and scatters between steps and reports the request in
-``get_finished``; blocks that could not be loaded are reported by ``get_block_ids_with_load_errors`` and vLLM
-recomputes them. A step with work never waits on the network. A step with nothing scheduled waits, bounded, for a
-lookup (``build_connector_meta``) or a load (``get_finished``) in flight instead of returning at once: the engine
-would step again at once, thousands of times a second, holding the GIL and a core that the loads need. Stores are
-best effort: a block that does not fit the bounded buffers is dropped and counted.
+while it is in flight), the worker fetches and scatters between steps and reports the request in ``get_finished``;
+blocks that could not be loaded are reported by ``get_block_ids_with_load_errors`` and vLLM recomputes them. How
+much of a hit is loaded, and by when, is the cost model's call (connector/cost.py): every load has a deadline, past
+which the blocks that did not arrive are reported so; what each load measured comes back to the scheduler in
+``KVGateWorkerMetadata`` and its decisions go out in vLLM's KV transfer stats (``KVGateStats``). A step with work
+never waits on the network. A step with nothing scheduled waits, bounded, for a lookup (``build_connector_meta``) or
+a load (``get_finished``) in flight instead of returning at once: the engine would step again at once, thousands of
+times a second, holding the GIL and a core that the loads need. Stores are best effort: a block that does not fit
+the bounded buffers is dropped and counted.
 """
 
 from __future__ import annotations
@@ -24,12 +27,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connector.client import BlockClient, ClientConfig
+from connector.cost import CostModel, LoadOutcome
 from connector.layout import BackendLayout, layer_views
 from connector.pipeline import WorkerPipeline
 from connector.plan import KeyScheme, SchedulerPlanner, StepPlan
@@ -53,6 +59,45 @@ log = logging.getLogger("kvgate.connector.vllm")
 class KVGateConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]  # vllm is untyped here
     def __init__(self, plan: StepPlan) -> None:
         self.plan = plan
+
+
+class KVGateWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """Worker -> scheduler, per step: what the loads that ended measured (for the cost model)."""
+
+    def __init__(self, outcomes: dict[str, LoadOutcome]) -> None:
+        self.outcomes = outcomes
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, KVGateWorkerMetadata):
+            return self
+        merged = dict(self.outcomes)
+        for req_id, outcome in other.outcomes.items():
+            merged[req_id] = merged[req_id].merge(outcome) if req_id in merged else outcome
+        return KVGateWorkerMetadata(merged)
+
+
+GAUGES = frozenset({"bandwidth_mib_s", "prefill_tokens_s"})
+"""Of the stats below, the estimates: an interval keeps the latest; every other key is a count, summed."""
+
+
+@dataclass
+class KVGateStats(KVConnectorStats):  # type: ignore[misc]
+    """The scheduler's cost-model decisions for vLLM's periodic "KV Transfer metrics" log (connector/plan.py:
+    ``SchedulerPlanner.report``)."""
+
+    def reset(self) -> None:
+        self.data = dict[str, Any]()
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            self.data[key] = value if key in GAUGES else self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {k: round(v, 3) if isinstance(v, float) else v for k, v in self.data.items()}
+
+    def is_empty(self) -> bool:
+        return not self.data
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +229,9 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 lookup_wait_s=settings.lookup_wait_ms / 1000,
                 load_enabled=self.shape.movable and settings.load,
                 store_enabled=self.shape.movable and settings.store,
+                cost=CostModel(settings.cost_settings()),
+                block_bytes=self.shape.block_bytes * max(1, len(self.shape.groups)),
+                lookup_deadline_s=settings.lookup_deadline_ms / 1000,
             )
 
     @property
@@ -222,6 +270,10 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 self._recompute.add(req_id)
         for req_id in connector_output.finished_recving or ():
             self._load_blocks.pop(req_id, None)
+        meta = connector_output.kv_connector_worker_meta
+        if self.planner is not None and isinstance(meta, KVGateWorkerMetadata):
+            for req_id, outcome in meta.outcomes.items():
+                self.planner.loaded(req_id=req_id, outcome=outcome)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if self.planner is None:
@@ -245,9 +297,21 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 replace=req_id in cached.resumed_req_ids,
             )
         self.planner.preempted(scheduler_output.preempted_req_ids or ())
+        self.planner.step(tokens=scheduler_output.total_num_scheduled_tokens)
         # nothing scheduled: the engine has nothing to do but wait for lookups and loads, so it waits for them
         # (bounded) instead of stepping again at once; a step with work never waits
         return KVGateConnectorMetadata(self.planner.build(idle=scheduler_output.total_num_scheduled_tokens == 0))
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Scheduler side: the cost model's decisions since the last call (vLLM logs them with its own stats)."""
+        if self.planner is None:
+            return None
+        report = self.planner.report()
+        return KVGateStats(data=report) if report else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVGateStats(data=dict(data or {}))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.planner is None:
@@ -343,6 +407,12 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._loading.discard(req_id)
             self._load_errors |= failed
         return sending or None, recving or None
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self.pipeline is None:
+            return None
+        outcomes = self.pipeline.take_outcomes()
+        return KVGateWorkerMetadata(outcomes) if outcomes else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -90,6 +90,9 @@ class KVGateTier(SecondaryTierManager):  # type: ignore[misc]
         self._rows = primary_kv_view.cast("B")
         self._row_bytes: int = int(self.block_size_bytes)
         self._transfer_timeout_s = settings.transfer_timeout_s
+        self._load_deadline_s = settings.load_deadline_ms / 1000
+        self.load_deadlines = 0
+        """Load jobs that ran out of their deadline (the rows that had not arrived were reported not loaded)."""
         self._chunks = ChunkShape(  # a chunk's tokens and parent, for the gateway's KV events (tier_meta.py)
             tuple(t * offloading_spec.blocks_per_chunk for t in offloading_spec.tokens_per_block),
             offloading_spec.tokens_per_hash,
@@ -371,11 +374,23 @@ class KVGateTier(SecondaryTierManager):  # type: ignore[misc]
         return False
 
     async def _load(self, job_id: int, keys: list[bytes], chunk_ids: list[int]) -> None:
+        """Load the rows at once; past the deadline the GETs still in flight are cancelled and only the rows that
+        arrived whole are reported loaded (vLLM recomputes the others)."""
         started = time.monotonic()
         ok = [False] * len(keys)
+        rows = [asyncio.ensure_future(self._load_row(k, c)) for k, c in zip(keys, chunk_ids, strict=True)]
         try:
-            ok = list(await asyncio.gather(*(self._load_row(k, c) for k, c in zip(keys, chunk_ids, strict=True))))
+            if rows:
+                await asyncio.wait(rows, timeout=self._load_deadline_s)
         finally:
+            for row in rows:
+                row.cancel()
+            if rows:
+                await asyncio.wait(rows)  # every GET has stopped writing into its slot before the job reports
+            ok = [r.done() and not r.cancelled() and r.exception() is None and r.result() is True for r in rows]
+            if not all(ok) and time.monotonic() - started >= self._load_deadline_s:
+                self.load_deadlines += 1
+                log.warning("kvgate tier: load job %d past its deadline: %d of %d rows", job_id, sum(ok), len(ok))
             self._report(_Done(job_id, True, keys, ok, time.monotonic() - started, sum(ok) * self._row_bytes))
 
     async def _load_row(self, key: bytes, chunk_id: int) -> bool:

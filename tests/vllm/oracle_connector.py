@@ -28,6 +28,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
 from connector.plan import BlockJob, StepPlan
@@ -141,6 +142,12 @@ def check_roles(url: str, model_dir: str) -> dict[str, object]:
         recving |= got or set()
         time.sleep(0.01)
     errors = reader.get_block_ids_with_load_errors()
+    # what the load measured reaches the scheduler's cost model through vLLM's worker metadata
+    worker_meta = reader.build_connector_worker_meta()
+    sched.update_connector_output(KVConnectorOutput(finished_recving={"r"}, kv_connector_worker_meta=worker_meta))
+    # and the decisions reach vLLM's periodic stats log (the scheduler's stats, rebuilt as the logger does)
+    stats = sched.get_kv_connector_stats()
+    logged = type(sched).build_kv_connector_stats(stats.to_dict()).reduce() if stats is not None else {}
     equal = all(
         torch.equal(dst[n][5 + i].view(torch.int16), src[n][i].view(torch.int16)) for n in src for i in range(3)
     )
@@ -159,6 +166,11 @@ def check_roles(url: str, model_dir: str) -> dict[str, object]:
         "equal": equal,
         "stored": writer.pipeline.stats.stored_blocks,
         "preempted": list(preempt_meta.plan.preempted),
+        "worker_meta": type(worker_meta).__name__,
+        "logged": logged,
+        "stats_again": sched.get_kv_connector_stats() is None,
+        "measured_load_s": sched.planner.stats.actual_load_s,
+        "decisions": [sched.planner.stats.loads, sched.planner.stats.skipped, sched.planner.stats.abandoned],
     }
     for c in (sched, writer, reader):
         c.shutdown()

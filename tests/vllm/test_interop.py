@@ -88,6 +88,12 @@ def test_both_roles_through_vllms_factory(vllm_python: str, gateway: Gateway, tm
     assert got["matched_after"] == [3 * 16, True]  # 3 full blocks of a 53-token prompt, loaded async
     assert got["recving"] == ["r"] and got["errors"] == []
     assert got["equal"] is True
+    # the load's measurement reached the scheduler through vLLM's worker metadata; the one decision was a load
+    assert got["worker_meta"] == "KVGateWorkerMetadata" and got["measured_load_s"] > 0
+    assert got["decisions"] == [1, 0, 0]
+    logged = got["logged"]
+    assert logged["loads"] == 1 and logged["actual_load_s"] > 0 and logged["bandwidth_mib_s"] > 0
+    assert got["stats_again"] is True  # each report holds what changed since the last
 
 
 def _cases() -> list[dict[str, Any]]:

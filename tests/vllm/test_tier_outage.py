@@ -7,12 +7,15 @@ from pathlib import Path
 import pytest
 
 from tests.gateway import Gateway, free_port
+from tests.proxy import proxy
 from tests.vllm.tier_harness import run_driver
 
 pytestmark = pytest.mark.vllm
 
 SCHEDULER_BOUND_S = 0.5
 """Worst duration of any one tier call on the scheduler's thread (correctness bound, not a benchmark)."""
+ROW_BYTES = 64 * 1024
+"""tier_driver.ROW_BYTES (that module imports vllm: the oracle's python only)."""
 TRANSFER_TIMEOUT_S = 1.0
 """The driver's transfer_timeout_s: drain_jobs may wait this long (plus slack) for a stalled transfer."""
 
@@ -48,6 +51,21 @@ def test_down_and_stalled_gateway_never_blocks_the_scheduler(
     assert r["recovered_lookup"][0] == ["HIT"] * 4
     assert all(job["success"] for job in r["recovered_load"].values())
     assert r["recovered_equal"] == [True] * 4
+
+
+def test_a_stalled_load_costs_its_deadline_not_the_transfer_timeout(
+    vllm_python: str, gateway: Gateway, tmp_path: Path
+) -> None:
+    """The gateway stops answering half-way through a load job: the job reports at its deadline (1 s), not after
+    the 30 s transfer timeout, with only the rows that arrived whole as loaded, and those byte-equal."""
+    with proxy(upstream_port=gateway.port, pass_bytes=ROW_BYTES * 3 // 2) as link:
+        r = run_driver(vllm_python, "deadline", tmp_path / "out", url=gateway.url, stall_url=link.url)
+    assert r["store"]["1001"]["success"] is True
+    (load,) = r["load"].values()
+    assert load["success"] is False and (load["successful_keys"] or 0) <= 1
+    assert r["load_s"] < 10.0, r["load_s"]  # the transfer timeout is 30 s (with a retry)
+    assert r["load_deadlines"] == 1
+    assert all(r["loaded_equal"]) and len(r["loaded_equal"]) == (load["successful_keys"] or 0)
 
 
 def test_full_gateway_is_not_down_and_a_misspelt_key_fails(vllm_python: str, tmp_path: Path) -> None:

@@ -386,6 +386,38 @@ def outage(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def deadline(args: argparse.Namespace) -> dict[str, Any]:
+    """Rows stored through the gateway, then loaded through ``args.stall_url`` (a proxy that stops passing answers
+    half-way) with a 30 s transfer timeout and a 1 s load deadline."""
+    spec = make_spec([])
+    report: dict[str, Any] = {}
+    view = primary_view()
+    keys = keys_for(4, "deadline")
+    fill(view, range(4), seed=7)
+    writer = standalone_tier(spec, kvgate_tier_cfg(args.url), view)
+    steps = Steps(writer)
+    report["store"] = summary(steps.wait({steps.job(keys, [0, 1, 2, 3], load=False)}))
+    writer.shutdown()
+    view = primary_view()
+    fill(view, range(4), seed=7)
+    for cid in range(4, 8):
+        view.cast("B")[cid * ROW_BYTES : (cid + 1) * ROW_BYTES] = b"\xee" * ROW_BYTES
+    stalled = standalone_tier(
+        spec, kvgate_tier_cfg(args.stall_url, transfer_timeout_s=30.0, load_deadline_ms=1000.0, retries=1), view
+    )
+    steps = Steps(stalled)
+    t0 = time.monotonic()
+    results = steps.wait({steps.job(keys, [4, 5, 6, 7], load=True)}, timeout_s=60.0)
+    report["load_s"] = time.monotonic() - t0
+    report["load"] = summary(results)
+    (result,) = results.values()
+    loaded = {bytes(k) for k in result.successful_keys or ()}
+    report["loaded_equal"] = [row(view, 4 + i) == row(view, i) for i, k in enumerate(keys) if k in loaded]
+    report["load_deadlines"] = stalled.load_deadlines
+    stalled.shutdown()
+    return report
+
+
 def full(args: argparse.Namespace) -> dict[str, Any]:
     """A gateway too small for a row (every store is a 507), then a misspelt key in the tier's entry."""
     spec = make_spec([])
@@ -421,6 +453,7 @@ SCENARIOS = {
     "fs-write": fs_write,
     "kvgate-then-fs": kvgate_then_fs,
     "outage": outage,
+    "deadline": deadline,
     "full": full,
 }
 

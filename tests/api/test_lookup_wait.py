@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import httpx
 
 from app.api.routes.lookup import MAX_LOOKUP_WAIT_MS
 from tests.conftest import key_for
+from tests.gateway import Gateway
 
 LONG_MS = 8_000
 """A wait that a lookup answered early never reaches (the assertions only say "before it", never how fast)."""
@@ -79,3 +81,29 @@ async def test_a_wait_beyond_the_cap_is_cut_and_a_negative_one_is_422(client: ht
 async def test_a_plain_lookup_does_not_wait(client: httpx.AsyncClient) -> None:
     r = await client.post("/v1/lookup", json={"keys": [key_for(50)]})
     assert r.status_code == 200 and r.json()["prefix"] == 0
+
+
+async def test_blocks_stored_through_another_worker_end_the_wait(tmp_path: Path) -> None:
+    """``--workers 2``: a PUT on one worker wakes no one on the other; its re-check sees the block."""
+    gw = Gateway(tmp_path / "data", workers=2).start()
+    try:
+        keys = [key_for(60 + i) for i in range(2)]
+        clients = [httpx.AsyncClient(base_url=gw.url, timeout=30.0) for _ in range(6)]
+        try:
+            start = time.monotonic()
+            waiting = [
+                asyncio.ensure_future(c.post("/v1/lookup", json={"keys": keys, "wait_ms": LONG_MS})) for c in clients
+            ]
+            await asyncio.sleep(0.3)
+            assert not any(w.done() for w in waiting)
+            async with httpx.AsyncClient(base_url=gw.url, timeout=30.0) as writer:
+                for k in keys:
+                    assert (await writer.put(f"/v1/blocks/{k}", content=b"f" * 64)).status_code == 201
+            answers = await asyncio.gather(*waiting)
+            assert [r.json()["prefix"] for r in answers] == [2] * len(clients)
+            assert time.monotonic() - start < LONG_MS / 1000
+        finally:
+            for c in clients:
+                await c.aclose()
+    finally:
+        gw.stop()

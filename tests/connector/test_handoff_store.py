@@ -16,6 +16,7 @@ from connector.pipeline import WorkerPipeline
 from connector.transfer import BlockTransfer, KVLayout
 from tests.connector.test_pipeline import LAYER_NAMES, full_kv, hashes, job, load, run_naming, same, shard
 from tests.gateway import Gateway
+from tests.proxy import proxy
 
 DTYPE = torch.bfloat16
 N = 6
@@ -59,3 +60,19 @@ def test_a_handoff_store_waits_for_room_and_stores_every_block(bc: BlockClient) 
     for name in LAYER_NAMES:
         for s, d in enumerate(ids):
             assert same(dest[name][:, d], src[name][:, s])
+
+
+def test_a_handoff_store_still_without_room_after_its_wait_is_counted(gateway: Gateway) -> None:
+    """A gateway that stops answering: the first upload never ends, so no room comes back; the producer waits
+    ``keep_wait_s`` once per batch, then drops the batch and counts it apart."""
+    with (
+        proxy(upstream_port=gateway.port, pass_bytes=0) as link,
+        BlockClient(ClientConfig(base_url=link.url, request_timeout_s=20.0, retries=0)) as c,
+    ):
+        writer = one_buffer(c, shard(full_kv(dtype=DTYPE, seed=73), tp=1, rank=0))
+        writer.keep_wait_s = 0.3
+        writer.store(dataclasses.replace(job("w", hashes(73, 3), [0, 1, 2]), keep=True))
+        assert writer.stats.dropped_kept_blocks == 2 and writer.stats.dropped_blocks == 2
+        assert writer.stats.keep_waits == 2
+        link.pass_bytes = None  # let the stalled upload finish, so the client closes cleanly
+        writer.wait_uploads(30)

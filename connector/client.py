@@ -28,6 +28,7 @@ import concurrent.futures
 import contextlib
 import json
 import logging
+import math
 import random
 import threading
 import time
@@ -414,22 +415,30 @@ class BlockClient:
             raise GatewayRejected(status, "HEAD failed")
         return int(headers.get("Content-Length", "0"))
 
-    async def lookup(self, keys: Sequence[str]) -> tuple[int, list[LookupSlot]]:
-        """One ``POST /v1/lookup``: the longest present prefix of ``keys`` and each key's slot."""
+    async def lookup(
+        self, keys: Sequence[str], *, wait_s: float = 0.0, min_prefix: int | None = None
+    ) -> tuple[int, list[LookupSlot]]:
+        """One ``POST /v1/lookup``: the longest present prefix of ``keys`` and each key's slot. ``wait_s``: the
+        gateway waits up to that long for at least ``min_prefix`` keys (None: all) to be present first."""
         if not keys:
             return 0, []
+        doc: dict[str, Any] = {"keys": list(keys)}
+        if wait_s > 0:
+            doc["wait_ms"] = math.ceil(wait_s * 1000)
+            if min_prefix is not None:
+                doc["min_prefix"] = min_prefix
         status, (_, body) = await self._request(
-            "POST", "/v1/lookup", json={"keys": list(keys)}, timeout_s=self.config.lookup_timeout_s
+            "POST", "/v1/lookup", json=doc, timeout_s=self.config.lookup_timeout_s + max(0.0, wait_s)
         )
         if status != 200:
             raise GatewayRejected(status, body[:300].decode(errors="replace"))
 
-        doc = json.loads(body)
+        answer = json.loads(body)
         slots = [
             LookupSlot(key=s["key"], present=s["present"], size=s.get("size"), digest=wire.unquote_etag(s.get("etag")))
-            for s in doc["blocks"]
+            for s in answer["blocks"]
         ]
-        return int(doc["prefix"]), slots
+        return int(answer["prefix"]), slots
 
     async def put_config(self, namespace: str, fields: dict[str, Any]) -> None:
         status, (_, body) = await self._request("PUT", f"/v1/namespaces/{namespace}/config", json=fields)

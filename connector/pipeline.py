@@ -2,7 +2,9 @@
 
 Stores: ``BlockTransfer.gather`` copies a batch of blocks into a pinned buffer (no CPU wait); the batch and its
 upload then run on the client's loop: wait for the copy event, PUT each block (the client hashes it), release the
-buffer. A batch that finds no free buffer or no room in the client's in-flight budget is dropped and counted.
+buffer. A batch that finds no free buffer or no room in the client's in-flight budget is dropped and counted;
+a P/D producer's batch (``BlockJob.keep``: the only copy its consumer will have) first waits, bounded by
+``keep_wait_s``, for an upload in flight to give room back (``keep_waits``), and is counted apart if dropped.
 
 Loads: for each window of blocks, GET each block's bytes (a TP rank's range of the canonical object when the run
 is parallel-agnostic), then scatter the window into the KV tensors and wait for its event. The first block that
@@ -27,6 +29,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -54,6 +57,11 @@ class PipelineStats:
     """Idle steps that waited for a load in flight (``finished_loads`` with ``wait_s``) instead of returning."""
     expired_loads: int = 0
     """Loads that ran out of their deadline (the blocks that had not arrived were reported)."""
+    keep_waits: int = 0
+    """Times a P/D producer's store waited for buffer room (its step was held) instead of being dropped."""
+    dropped_kept_blocks: int = 0
+    """P/D producer blocks dropped all the same: no room came back within ``keep_wait_s`` (also in
+    ``dropped_blocks``); their consumer recomputes them."""
 
 
 @dataclass(slots=True)
@@ -73,8 +81,11 @@ class WorkerPipeline:
         transfers: Sequence[BlockTransfer],
         tp_size: int,
         tp_rank: int,
+        keep_wait_s: float = 5.0,
     ) -> None:
+        """``keep_wait_s``: the longest a P/D producer's store (``BlockJob.keep``) waits for buffer room."""
         self.client = client
+        self.keep_wait_s = keep_wait_s
         self.naming = naming
         self.transfers = list(transfers)
         self.tp_size = tp_size
@@ -187,23 +198,49 @@ class WorkerPipeline:
                 keys = [self.naming.block(h, group) for h in job.hashes[start : start + len(chunk)]]
                 metas: list[str | None] = list(job.metas[start : start + len(chunk)] or (None,) * len(chunk))
                 nbytes = len(chunk) * transfer.geometry.block_bytes
-                if not self.client.reserve(nbytes):
-                    self.stats.dropped_blocks += len(chunk)
-                    continue
-                try:
-                    batch = transfer.gather(chunk, after=None if after is None else after[group])
-                except BaseException:
-                    self.client.release(nbytes)
-                    raise
+                batch = self._stage(
+                    transfer, chunk, nbytes, after=None if after is None else after[group], keep=job.keep
+                )
                 if batch is None:
-                    self.client.release(nbytes)
                     self.stats.dropped_blocks += len(chunk)
+                    if job.keep:
+                        self.stats.dropped_kept_blocks += len(chunk)
+                        log.warning(
+                            "P/D store of req=%s dropped: no buffer room in %.1fs", job.req_id, self.keep_wait_s
+                        )
                     continue
                 with self._lock:
                     pending.last[group] = self._unordered[group] = self._newest[group] = batch.event
                     upload = self.client.submit(self._upload(batch, keys, metas, part, nbytes))
                     self._uploads.add(upload)
                 upload.add_done_callback(self._upload_done)
+
+    def _stage(
+        self, transfer: BlockTransfer, chunk: Sequence[int], nbytes: int, *, after: CopyEvent | None, keep: bool
+    ) -> StagedBatch | None:
+        """Budget and a buffer for ``chunk``, and its gather started; None when there is no room. A ``keep`` batch
+        waits (up to ``keep_wait_s``) for an upload in flight to finish and give its room back, then tries again."""
+        deadline = time.monotonic() + (self.keep_wait_s if keep else 0.0)
+        while True:
+            fits = self.client.budget.reserve(nbytes)
+            if fits:
+                try:
+                    batch = transfer.gather(chunk, after=after)
+                except BaseException:
+                    self.client.release(nbytes)
+                    raise
+                if batch is not None:
+                    return batch
+                self.client.release(nbytes)
+            left = deadline - time.monotonic()
+            with self._lock:
+                uploads = list(self._uploads)
+            if left <= 0 or not uploads:  # nothing in flight would give room back
+                if not fits:
+                    self.client.stats.dropped_stores += 1  # as ``client.reserve`` counts it
+                return None
+            self.stats.keep_waits += 1
+            concurrent.futures.wait(uploads, timeout=left, return_when=concurrent.futures.FIRST_COMPLETED)
 
     async def _upload(
         self,

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from connector.client import BlockClient, ConnectorError, LookupSlot
 from connector.cost import MIB, CostModel, Decision, LoadOutcome, Verdict
+from connector.handoff import Expected
 from contract.keys import RunNaming, block_path
 from contract.wire import format_block_meta
 
@@ -40,6 +41,9 @@ class BlockJob:
     deadline_s: float | None = None
     """Loads: the longest the load may take from its start on the worker; past it, the blocks that did not
     arrive are reported failed (vLLM recomputes them). None: no deadline (the client's timeouts only)."""
+    keep: bool = False
+    """Stores of a P/D request (connector/handoff.py): the only copy its consumer will have, so the worker waits,
+    bounded, for buffer room rather than drop them."""
 
 
 @dataclass(slots=True)
@@ -73,6 +77,10 @@ class _Request:
     lookup_answered: float | None = None
     """When the lookup's answer came (set on the client's loop thread): its round trip, for the cost model."""
     decision: Decision | None = None
+    keep: bool = False
+    """A producer's P/D request: its stores are not dropped for lack of buffer room (``BlockJob.keep``)."""
+    wait_s: float = 0.0
+    """A consumer's P/D request: how long its lookup may wait on the gateway for the producer's blocks."""
 
     def answered(self, _future: object) -> None:
         self.lookup_answered = time.monotonic()
@@ -151,10 +159,12 @@ class SchedulerPlanner:
         cost: CostModel | None = None,
         block_bytes: int = 0,
         lookup_deadline_s: float | None = None,
+        lookup_enabled: bool = True,
     ) -> None:
         """``cost``: decides per request how much of a hit to load, and its deadline (None: all, no deadline);
         ``block_bytes``: a whole block's bytes over every rank and group, for it. ``lookup_deadline_s``: a lookup
-        with no answer by then is a miss."""
+        with no answer by then is a miss (plus a P/D request's wait). ``lookup_enabled`` False (a ``kv_producer``):
+        no lookups, every full block is stored."""
         if block_size % hash_block_size:
             raise ValueError(f"block size {block_size} is not a multiple of the hash block size {hash_block_size}")
         self.client = client
@@ -164,6 +174,7 @@ class SchedulerPlanner:
         self.lookup_wait_s = lookup_wait_s
         self.load_enabled = load_enabled
         self.store_enabled = store_enabled
+        self.lookup_enabled = lookup_enabled
         self._requests: dict[str, _Request] = {}
         self._lookups: set[concurrent.futures.Future[tuple[int, list[LookupSlot]]]] = set()
         """Lookups whose answer ``matched_tokens`` has not read yet (an idle step waits on them)."""
@@ -177,6 +188,11 @@ class SchedulerPlanner:
         self._last_step: tuple[float, int] | None = None
         """(when, tokens) of the last step with work: the next step's start times it (the prefill rate)."""
         self._plan = StepPlan()
+
+    def block_hashes(self, hashes: Sequence[bytes]) -> list[bytes]:
+        """vLLM's request block hashes at block granularity (the hash of each block's last sub-block)."""
+        n = len(hashes) // self.hash_stride
+        return [bytes(hashes[(i + 1) * self.hash_stride - 1]) for i in range(n)]
 
     def _hashes(self, req: _Request, upto: int | None = None) -> list[bytes]:
         """The request's hashes at block granularity: the hash of each block's last sub-block."""
@@ -195,25 +211,35 @@ class SchedulerPlanner:
         num_tokens: int,
         num_computed_tokens: int,
         token_ids: Sequence[int] = (),
+        keep: bool = False,
+        expect: Expected | None = None,
     ) -> int | None:
         """Tokens beyond ``num_computed_tokens`` that kvgate can supply; None while the lookup is in flight.
 
-        ``block_hashes`` and ``token_ids``: the request's live lists (they grow as tokens are added)."""
+        ``block_hashes`` and ``token_ids``: the request's live lists (they grow as tokens are added). ``keep``: a
+        producer's P/D request (its stores are kept); ``expect``: a consumer's P/D request, whose lookup waits on
+        the gateway, bounded, for the blocks its producer named."""
         req = self._requests.get(req_id)
         if req is None:
-            req = _Request(hashes=block_hashes, hash_stride=self.hash_stride, block_ids=[], tokens=token_ids)
+            req = _Request(hashes=block_hashes, hash_stride=self.hash_stride, block_ids=[], tokens=token_ids, keep=keep)
             self._requests[req_id] = req
+        if not self.lookup_enabled:
+            return 0
         if req.lookup is None:
             hashes = self._hashes(req)
             if not hashes:
                 return 0
+            want = None
+            if expect is not None and self.load_enabled:
+                req.wait_s, want = expect.wait_s, min(expect.blocks, len(hashes)) * self.keys.keys_per_block
             req.lookup_sent = time.monotonic()
-            req.lookup = self.client.submit(self.client.lookup(self.keys.keys(hashes)))
+            lookup = self.client.lookup(self.keys.keys(hashes), wait_s=req.wait_s, min_prefix=want)
+            req.lookup = self.client.submit(lookup)
             req.lookup.add_done_callback(req.answered)
             self._lookups.add(req.lookup)
         if not req.lookup.done():
             waited = time.monotonic() - req.lookup_sent
-            if self.lookup_deadline_s is None or waited < self.lookup_deadline_s:
+            if self.lookup_deadline_s is None or waited < self.lookup_deadline_s + req.wait_s:
                 return None  # never waited for here: the step may have work (an idle step waits in ``build``)
             # a slow lookup is a miss, not a wait: the request is computed (its blocks are stored again, at worst)
             req.lookup.cancel()
@@ -334,7 +360,8 @@ class SchedulerPlanner:
         start = req.stored
         ids = tuple(tuple(g[start : len(hashes)]) for g in req.block_ids)
         metas = tuple(self._meta(req, hashes, i) for i in range(start, len(hashes)))
-        self._plan.stores.append(BlockJob(req_id=req_id, hashes=tuple(hashes[start:]), block_ids=ids, metas=metas))
+        job = BlockJob(req_id=req_id, hashes=tuple(hashes[start:]), block_ids=ids, metas=metas, keep=req.keep)
+        self._plan.stores.append(job)
         req.stored = len(hashes)
 
     def _meta(self, req: _Request, hashes: Sequence[bytes], i: int) -> str | None:
@@ -383,6 +410,11 @@ class SchedulerPlanner:
         self.lookup_waits += 1
         concurrent.futures.wait(self._lookups, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED)
         return True
+
+    def stored_hashes(self, req_id: str) -> list[bytes]:
+        """The hashes of ``req_id``'s leading blocks planned for a store (a producer names them to its consumer)."""
+        req = self._requests.get(req_id)
+        return [] if req is None else self._hashes(req, upto=req.stored)
 
     def finished(self, req_id: str) -> bool:
         """Forget ``req_id``; True when stores were planned for it (its blocks must outlive their copies)."""

@@ -168,6 +168,11 @@ class ConnectorSettings(_ClientSettings):
     prefill_tokens_per_s: float = 0.0
     """The engine's prefill rate to start from (it is then learnt from the engine's steps); 0: unknown until
     measured (a hit is then loaded whenever it fits ``load_deadline_max_ms``)."""
+    handoff_wait_ms: float = 2000.0
+    """P/D consumer: the longest its lookup waits on the gateway for the blocks its producer named (then it loads
+    what is there and recomputes the rest)."""
+    handoff_store_wait_ms: float = 5000.0
+    """P/D producer: the longest its step waits for buffer room for a P/D request's store rather than drop it."""
 
     def cost_settings(self) -> CostSettings:
         return CostSettings(

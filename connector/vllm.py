@@ -14,6 +14,12 @@ never waits on the network. A step with nothing scheduled waits, bounded, for a 
 a load (``get_finished``) in flight instead of returning at once: the engine would step again at once, thousands of
 times a second, holding the GIL and a core that the loads need. Stores are best effort: a block that does not fit
 the bounded buffers is dropped and counted.
+
+Roles (``kv_role``): a ``kv_producer`` stores and never looks up or loads; a ``kv_consumer`` looks up and loads
+and never stores (nor writes the namespace's config); ``kv_both`` does both. Prefill/decode disaggregation
+(connector/handoff.py): a producer's P/D request keeps its stores (the worker waits, bounded, for buffer room) and
+its ``request_finished`` returns ``kv_transfer_params`` naming its blocks; a consumer given them waits on the
+gateway, bounded by ``handoff_wait_ms``, for those blocks, then loads them (past the wait: what is there).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connector.client import BlockClient, ClientConfig
 from connector.cost import CostModel, LoadOutcome
+from connector.handoff import expected, producer_params, wants_handoff
 from connector.layout import BackendLayout, layer_views
 from connector.pipeline import WorkerPipeline
 from connector.plan import KeyScheme, SchedulerPlanner, StepPlan
@@ -219,6 +226,13 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._load_errors: set[int] = set()
         self._load_blocks: dict[str, set[int]] = {}  # scheduler: the blocks each request is loading into
         self._recompute: set[str] = set()  # scheduler: requests whose load failed; vLLM recomputes, never reloads
+        transfer_config = self._kv_transfer_config
+        self.produces = bool(transfer_config.is_kv_producer)
+        """Stores (kv_producer, kv_both)."""
+        self.consumes = bool(transfer_config.is_kv_consumer)
+        """Looks up and loads (kv_consumer, kv_both)."""
+        self.producer_only = self.produces and not self.consumes
+        self._handoffs: set[str] = set()  # scheduler: a producer's P/D requests (their finish names their blocks)
         if role == KVConnectorRole.SCHEDULER:
             ranks = [0] if self.naming.parallel_agnostic else list(range(self.shape.world_size))
             self.planner = SchedulerPlanner(
@@ -227,8 +241,9 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 block_size=self.shape.block_size,
                 hash_block_size=self.shape.hash_block_size,
                 lookup_wait_s=settings.lookup_wait_ms / 1000,
-                load_enabled=self.shape.movable and settings.load,
-                store_enabled=self.shape.movable and settings.store,
+                load_enabled=self.shape.movable and settings.load and self.consumes,
+                store_enabled=self.shape.movable and settings.store and self.produces,
+                lookup_enabled=self.consumes,
                 cost=CostModel(settings.cost_settings()),
                 block_bytes=self.shape.block_bytes * max(1, len(self.shape.groups)),
                 lookup_deadline_s=settings.lookup_deadline_ms / 1000,
@@ -243,16 +258,39 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.planner is None or request.request_id in self._recompute:
             return 0, False  # a failed load is not retried: the gateway may still list the bad block
+        params = request.kv_transfer_params
+        keep = self.produces and wants_handoff(params, producer_only=self.producer_only)
+        if keep:
+            self._handoffs.add(request.request_id)
+        expect = None
+        if self.consumes and params:
+            expect = expected(
+                params,
+                url=self.settings.url,
+                namespace=self.naming.namespace,
+                block_size=self.shape.block_size,
+                hashes=self.planner.block_hashes(request.block_hashes),
+                wait_s=self._handoff_wait_s(request.num_tokens - num_computed_tokens),
+            )
         n = self.planner.matched_tokens(
             req_id=request.request_id,
             block_hashes=request.block_hashes,
             num_tokens=request.num_tokens,
             num_computed_tokens=num_computed_tokens,
             token_ids=request.all_token_ids,  # a stored block's tokens, for the gateway's KV events
+            keep=keep,
+            expect=expect,
         )
         if n is None:
             return None, False
         return n, n > 0
+
+    def _handoff_wait_s(self, tokens: int) -> float:
+        """How long a consumer waits for its producer's blocks: ``handoff_wait_ms``, and never longer than the
+        cost model predicts recomputing the request's ``tokens`` takes (no prefill rate measured yet: no bound)."""
+        wait_s = self.settings.handoff_wait_ms / 1000
+        cost = self.planner.cost if self.planner is not None else None
+        return wait_s if cost is None else min(wait_s, cost.predict_recompute_s(tokens=tokens))
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if self.planner is not None:
@@ -318,7 +356,16 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             return False, None
         self._load_blocks.pop(request.request_id, None)
         self._recompute.discard(request.request_id)
-        return self.planner.finished(request.request_id), None
+        params = None
+        if request.request_id in self._handoffs:
+            self._handoffs.discard(request.request_id)
+            params = producer_params(
+                url=self.settings.url,
+                namespace=self.naming.namespace,
+                block_size=self.shape.block_size,
+                hashes=self.planner.stored_hashes(request.request_id),
+            )
+        return self.planner.finished(request.request_id), params
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
@@ -359,8 +406,11 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             transfers=transfers,
             tp_size=self.shape.tp_size,
             tp_rank=self.shape.rank % self.shape.tp_size,
+            keep_wait_s=self.settings.handoff_store_wait_ms / 1000,
         )
-        if self.shape.rank == 0:  # the namespace's fields (format, layout id, block size) for the gateway's checks
+        if (
+            self.shape.rank == 0 and self.produces
+        ):  # the namespace's fields (format, layout id, block size) for the gateway's checks
             put = self.client.put_config(self.naming.namespace, dict(self.naming.fields))
             self.client.submit(put).add_done_callback(_log_config_failure)
 

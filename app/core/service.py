@@ -11,6 +11,7 @@ from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from app.core.arrivals import RECHECK_S
 from app.core.events import NO_EVENTS, EventSink
 from app.core.memo import NamespaceMemo
 from app.core.parts import ByteSpan, PartAssembler, PartOutcome
@@ -238,17 +239,31 @@ class BlockService:
         self.counters.misses += 1
         raise BlockNotFound(path)
 
-    async def lookup(self, paths: list[str]) -> tuple[int, list[tuple[int, str] | None]]:
-        """Length of the longest present prefix of ``paths``, and each path's (size, digest) (None: absent)."""
+    async def lookup(
+        self, paths: list[str], *, wait_s: float = 0.0, min_prefix: int | None = None
+    ) -> tuple[int, list[tuple[int, str] | None]]:
+        """Length of the longest present prefix of ``paths``, and each path's (size, digest) (None: absent).
+
+        ``wait_s``: until the prefix is at least ``min_prefix`` keys (None: all of them), look again each time
+        its first absent key is committed in this process (or every ``RECHECK_S``, for other processes' commits),
+        for at most ``wait_s``; then answer what is present."""
         check_block_paths(paths)  # InvalidKey: a 400; a path that parses is its own canonical form
-        found = await self._index.sizes_many(paths)
-        slots = [found.get(p) for p in paths]
-        prefix = 0
-        for slot in slots:
-            if slot is None:
-                break
-            prefix += 1
-        return prefix, slots
+        want = len(paths) if min_prefix is None else min(min_prefix, len(paths))
+        deadline = asyncio.get_running_loop().time() + wait_s
+        arrivals = self._versions.arrivals
+        while True:
+            since = arrivals.commits
+            found = await self._index.sizes_many(paths)
+            slots = [found.get(p) for p in paths]
+            prefix = 0
+            for slot in slots:
+                if slot is None:
+                    break
+                prefix += 1
+            left = deadline - asyncio.get_running_loop().time()
+            if prefix >= want or left <= 0:
+                return prefix, slots
+            await arrivals.wait(paths[prefix], since=since, timeout_s=min(left, RECHECK_S))
 
     # -- namespaces -------------------------------------------------------------------------------------------
 

@@ -38,6 +38,7 @@ import time
 from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 
+from app.core.arrivals import Arrivals
 from app.core.events import NO_EVENTS, EventSink
 from app.core.keystate import KeyLocks, MetaCache
 from app.core.usage import Usage
@@ -121,6 +122,8 @@ class Versions:
         self._retiring: set[asyncio.Task[None]] = set()
         self.changing = 0
         """Changes in flight in this process."""
+        self.arrivals = Arrivals()
+        """Lookups waiting for a key, woken by its commit here (app/core/arrivals.py)."""
 
     async def close(self) -> None:
         """Stop pending deletions of retired versions (objects no row names: reconcile removes them later)."""
@@ -174,6 +177,7 @@ class Versions:
 
     def _stored(self, record: BlockRecord, old: BlockRecord | None) -> None:
         self._events.stored(record)
+        self.arrivals.committed(record.key)
         self._moved(record.namespace, 0 if old else 1, record.size - (old.size if old else 0))
         if old is not None and self.store.versioned and old.stamp != record.stamp:
             self._retire(old.key, old.stamp)

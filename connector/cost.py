@@ -57,6 +57,9 @@ class CostSettings:
     min_deadline_s: float = 0.5
     max_deadline_s: float = 5.0
     min_step_tokens: int = 256
+    always_load: bool = False
+    """Every hit is loaded whole with the longest deadline (``max_deadline_s``), whatever the estimates say: for
+    correctness runs that must see every hit loaded, and A/B runs against the model."""
     """A step with fewer tokens than this (decodes) says nothing about the prefill rate."""
 
 
@@ -174,6 +177,11 @@ class CostModel:
         bw = self.bandwidth(now=now)
         rtt = self.lookup_rtt.value
         per_block_load = block_bytes / bw if bw > 0 else math.inf
+        if self.settings.always_load:
+            load = rtt + hit_blocks * per_block_load
+            return Decision(
+                Verdict.LOAD, hit_blocks, hit_blocks, load, recompute, self.settings.max_deadline_s, "always_load"
+            )
         per_block_recompute = block_tokens / self.prefill.value if self.prefill.value > 0 else math.inf
         if per_block_load >= per_block_recompute and self._stale(now):
             return Decision(

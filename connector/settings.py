@@ -168,6 +168,9 @@ class ConnectorSettings(_ClientSettings):
     prefill_tokens_per_s: float = 0.0
     """The engine's prefill rate to start from (it is then learnt from the engine's steps); 0: unknown until
     measured (a hit is then loaded whenever it fits ``load_deadline_max_ms``)."""
+    cost_model: bool = True
+    """False: every hit is loaded whole, with the longest deadline (``load_deadline_max_ms``), whatever the cost model
+    predicts (correctness runs, A/B runs against the model)."""
     handoff_wait_ms: float = 2000.0
     """P/D consumer: the longest its lookup waits on the gateway for the blocks its producer named (then it loads
     what is there and recomputes the rest)."""
@@ -179,6 +182,7 @@ class ConnectorSettings(_ClientSettings):
             bandwidth_prior_bytes_s=self.load_bandwidth_mib_s * MIB,
             bandwidth_half_life_s=self.bandwidth_half_life_s,
             prefill_tokens_s=self.prefill_tokens_per_s,
+            always_load=not self.cost_model,
             deadline_factor=self.load_deadline_factor,
             min_deadline_s=self.load_deadline_min_ms / 1000,
             max_deadline_s=self.load_deadline_max_ms / 1000,

@@ -90,3 +90,18 @@ def test_outcomes_of_the_ranks_merge_as_one_load() -> None:
     a = LoadOutcome(loaded=10, nbytes=100, seconds=1.0, expired=False)
     b = LoadOutcome(loaded=7, nbytes=70, seconds=2.0, expired=True)
     assert a.merge(b) == LoadOutcome(loaded=7, nbytes=170, seconds=2.0, expired=True)
+
+
+def test_always_load_loads_every_hit_whole_with_the_longest_deadline() -> None:
+    """``cost_model: false``: a link measured slower than recompute still loads the whole hit, bounded by the
+    longest wait (correctness runs on a loaded machine must see every hit loaded)."""
+    m = model(prefill_tokens_s=3200.0, always_load=True)
+    m.observe_load(nbytes=MIB, seconds=1.0, now=0.0)  # 1 MiB/s: a block loads in 1 s, recomputes in 5 ms
+    d = m.plan(hit_blocks=100, block_tokens=BLOCK_TOKENS, block_bytes=BLOCK_BYTES, now=1.0)
+    assert d.verdict is Verdict.LOAD and d.blocks == 100 and d.deadline_s == m.settings.max_deadline_s
+    assert (
+        model(prefill_tokens_s=3200.0)
+        .plan(hit_blocks=100, block_tokens=BLOCK_TOKENS, block_bytes=BLOCK_BYTES, now=0.0)
+        .verdict
+        is not Verdict.LOAD
+    )

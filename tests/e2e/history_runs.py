@@ -33,6 +33,8 @@ from tests.pg_proxy import PgFaultProxy
 from tests.s3_servers import S3TestServer
 from tests.services import asyncpg_dsn
 
+FAULTS = REPO / "tests" / "e2e" / "faults"
+
 SWEEP_UPLOADS = {"KVGATE_STALE_UPLOAD_S": "3", "KVGATE_EVICTION_INTERVAL_S": "0.5"}
 """Uploads that lost a part (a writer killed, or refused for another upload of its key) are dropped within
 seconds, so that the next upload of the key can begin."""
@@ -45,8 +47,12 @@ class Faults:
     gateways: list[Gateway]
     rng: random.Random
     every_s: tuple[float, float]
+    points: Path | None = None
+    """The flags folder of the ``removed`` fault point (tests/e2e/faults/sitecustomize.py) the gateways run with:
+    half the kills are then aimed right after a block row's removal commits (counted in ``point_kills``)."""
     down: set[int] = field(default_factory=set)
     kills: int = 0
+    point_kills: int = 0
     failed_starts: int = 0
     """Starts that failed (the index out of reach through the PostgreSQL nemesis: the gateway exits 3), retried as a
     supervisor would."""
@@ -58,6 +64,8 @@ class Faults:
     def run(self) -> None:
         while not self.stop.wait(self.rng.uniform(*self.every_s)):
             i = self.rng.randrange(len(self.gateways))
+            if self.points is not None and self.rng.random() < 0.5:
+                self._at_point(self.points)
             self.down.add(i)
             self.gateways[i].kill9()
             self.kills += 1
@@ -68,6 +76,18 @@ class Faults:
         for i in sorted(self.down):
             self._start(i)
         self.down.clear()
+
+    def _at_point(self, points: Path) -> None:
+        """Arm the point, wait a few seconds for a removal to stop there (the gateway then waits to be killed)."""
+        arm, held = points / "arm", points / "held"
+        arm.touch()
+        deadline = time.monotonic() + 4.0
+        while not held.exists() and time.monotonic() < deadline and not self.stop.wait(0.05):
+            pass
+        arm.unlink()
+        if held.exists():
+            held.unlink()
+            self.point_kills += 1
 
     def _start(self, i: int, *, tries: int = 10) -> None:
         for _ in range(tries - 1):
@@ -193,9 +213,16 @@ def run_fs(
     history = History()
     counts: Counter[str] = Counter()
     root.mkdir(parents=True, exist_ok=True)
-    gw = Gateway(root / "data", env=SWEEP_UPLOADS).start()
+    env = dict(SWEEP_UPLOADS)
+    points = None
+    if "points" in nemesis:
+        points = root / "points"
+        points.mkdir(exist_ok=True)
+        env |= {"PYTHONPATH": f"{FAULTS}{os.pathsep}{REPO}", "KVGATE_TEST_FAULT": f"removed:{points}"}
+    gw = Gateway(root / "data", env=env).start()
     names = workload_keys(keys)
-    faults = Faults([gw], random.Random(seed + 1), every_s=(2.0, 5.0) if "kill9" in nemesis else (1e9, 1e9))
+    every = (2.0, 5.0) if "kill9" in nemesis else (1e9, 1e9)
+    faults = Faults([gw], random.Random(seed + 1), every_s=every, points=points)
     tools = Tools(root / "data", root / "vllm-fs", history, names, random.Random(seed + 2), kill_gc="gc" in nemesis)
     rot = Rot(root / "data" / "blocks", history, random.Random(seed + 3), counts)
     threads = [threading.Thread(target=faults.run), threading.Thread(target=tools.run)]
@@ -212,6 +239,7 @@ def run_fs(
         for t in threads:
             t.join(300)
     counts["gateway kill -9"] = faults.kills
+    counts["gateway kill -9 right after a row removal (fault point)"] = faults.point_kills
     counts["gc kill -9"] = tools.runs["gc kill -9"]
     assert not tools.failures, tools.failures
     env = {"KVGATE_DATA_DIR": str(gw.data_dir)}

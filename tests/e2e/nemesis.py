@@ -21,8 +21,10 @@ from pathlib import Path
 from tests.e2e.history import History
 from tests.pg_proxy import PgFaultProxy
 
-KINDS = ("kill9", "gc", "rot", "pg")
-"""Fault kinds: gateway kill -9, ``kvgate gc`` kill -9, bit rot in block files, PostgreSQL faults."""
+KINDS = ("kill9", "points", "gc", "rot", "pg")
+"""Fault kinds: gateway kill -9, some of them aimed at a named fault point (``removed``: right after a block row's
+removal commits; filesystem scenario, with ``kill9``), ``kvgate gc`` kill -9, bit rot in block files, PostgreSQL
+faults."""
 
 
 def parse_kinds(spec: str) -> frozenset[str]:

@@ -14,9 +14,9 @@ What is checked (a necessary condition of linearizability per key, without the s
 - a key's final value is the value of an op that no ok op surely follows; nothing acknowledged is lost except to a
   later acknowledged change;
 - at the end HEAD, GET, lookup, the index rows, the stored objects and /v1/stats agree;
-- a key whose stored bytes the nemesis corrupted (tests/e2e/nemesis.py) may be absent from then on: lost, never
-  served wrong (a body that is not its ETag's is counted as refused by the client's check; a body matching an ETag
-  nobody wrote is still a problem).
+- a key whose stored bytes the nemesis corrupted (tests/e2e/nemesis.py) may be absent from then on, until an
+  acknowledged write of it: lost, never served wrong (a body that is not its ETag's is counted as refused by the
+  client's check; a body matching an ETag nobody wrote is still a problem).
 """
 
 from __future__ import annotations
@@ -70,19 +70,28 @@ class History:
     reads: list[Read] = field(default_factory=list)
     bodies: set[str] = field(default_factory=set)
     statuses: Counter[str] = field(default_factory=Counter)
-    corrupted: dict[str, float] = field(default_factory=dict)
-    """Keys whose stored bytes the nemesis changed, and when it first did (tests/e2e/nemesis.py): from then on
-    they may be a miss, never served wrong."""
+    corrupted: dict[str, list[list[float]]] = field(default_factory=dict)
+    """Keys whose stored bytes the nemesis changed (tests/e2e/nemesis.py), each time as [began, ended]: from then
+    on the key may be a miss, never served wrong, until an acknowledged write that began after it ended."""
     wrong: list[str] = field(default_factory=list)
     """Bodies served as 200 under an ETag that is not theirs, on keys nobody corrupted."""
 
-    def corrupt(self, key: str) -> None:
-        self.corrupted.setdefault(key, time.monotonic())
+    def corrupt(self, key: str) -> list[float]:
+        """The nemesis begins to change ``key``'s bytes; it sets the span's end (``inf`` until then)."""
+        span = [time.monotonic(), float("inf")]
+        self.corrupted.setdefault(key, []).append(span)
+        return span
 
     def may_be_lost(self, key: str, at: float) -> bool:
-        """``key`` absent at ``at`` is explained by the nemesis corrupting its bytes before."""
-        since = self.corrupted.get(key)
-        return since is not None and since < at
+        """``key`` absent (or its bytes not its ETag's) at ``at`` is explained by the nemesis corrupting them before,
+        with no acknowledged write of the key since (its bytes are fresh)."""
+        for began, ended in self.corrupted.get(key, ()):
+            if began < at and not any(
+                o.key == key and o.value is not None and o.outcome == "ok" and o.start > ended and o.end < at
+                for o in self.ops
+            ):
+                return True
+        return False
 
     def begin(self, kind: Kind, key: str, value: str | None) -> Op:
         op = Op(kind=kind, key=key, value=value, start=time.monotonic())

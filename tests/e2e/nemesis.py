@@ -4,7 +4,8 @@ kind counted. The gateway kills (``Faults``) and ``kvgate gc`` kills (``Tools``)
 - ``rot``: a stored block file has a bit flipped or is truncated in place, its mtime put back (as bit rot leaves a
   file: its stamp still the row's). The key is marked corrupted in the history: from then on it may be a miss, but
   a body served under an ETag must still be that ETag's (a 200 whose bytes do not match its ETag is counted as
-  detected by the client; a body matching an ETag nobody wrote is a problem);
+  detected by the client; a body matching an ETag nobody wrote is a problem); an acknowledged write of the key
+  that began after the change ends the exemption;
 - ``pg``: through ``tests/pg_proxy.py`` in front of PostgreSQL, bursts of lost COMMIT replies (the server commits,
   the answer is dropped) and partitions (every connection cut, new ones refused for a second or so).
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import os
 import random
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,7 +65,7 @@ class Rot:
 
     def _corrupt(self, path: Path) -> None:
         key = path.relative_to(self.blocks).as_posix()
-        self.history.corrupt(key)  # before the bytes change: a read that sees them comes after
+        span = self.history.corrupt(key)  # before the bytes change: a read that sees them comes after
         try:
             st = path.stat()
             if st.st_size == 0:
@@ -82,6 +84,8 @@ class Rot:
             os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
         except (FileNotFoundError, IndexError):
             return  # replaced or removed meanwhile
+        finally:
+            span[1] = time.monotonic()
         self.counts[kind] += 1
 
 

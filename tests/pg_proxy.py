@@ -77,6 +77,10 @@ class PgFaultProxy:
         self.hold_s = 0.0
         """The reply to each COMMIT is held this long before it is passed on (the server has committed meanwhile)."""
 
+    def cut(self) -> None:
+        """A partition: every open connection is cut, and new ones are refused until ``heal``."""
+        self._loop.call_soon_threadsafe(self._went_down)
+
     def _lose_this_one(self) -> bool:
         self.commits += 1
         if self._rng.random() < self.lose_rate:
@@ -100,6 +104,8 @@ class PgFaultProxy:
         self._open.add(me)
         try:
             await self._forward(client_r, client_w)
+        except asyncio.CancelledError:  # cut (``_went_down``): a cancelled handler makes asyncio log a traceback
+            client_w.transport.abort()
         finally:
             self._open.discard(me)
 

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,9 +27,13 @@ import httpx
 
 from tests.capacity.helpers import block_files, index_rows
 from tests.e2e.history import History, Traffic, Verdict, check, digest_of, final_state, workload_keys
+from tests.e2e.nemesis import KINDS, PgFaults, Rot
 from tests.gateway import REPO, Gateway
+from tests.pg_proxy import PgFaultProxy
 from tests.s3_servers import S3TestServer
 from tests.services import asyncpg_dsn
+
+FAULTS = REPO / "tests" / "e2e" / "faults"
 
 SWEEP_UPLOADS = {"KVGATE_STALE_UPLOAD_S": "3", "KVGATE_EVICTION_INTERVAL_S": "0.5"}
 """Uploads that lost a part (a writer killed, or refused for another upload of its key) are dropped within
@@ -42,8 +47,15 @@ class Faults:
     gateways: list[Gateway]
     rng: random.Random
     every_s: tuple[float, float]
+    points: Path | None = None
+    """The flags folder of the ``removed`` fault point (tests/e2e/faults/sitecustomize.py) the gateways run with:
+    half the kills are then aimed right after a block row's removal commits (counted in ``point_kills``)."""
     down: set[int] = field(default_factory=set)
     kills: int = 0
+    point_kills: int = 0
+    failed_starts: int = 0
+    """Starts that failed (the index out of reach through the PostgreSQL nemesis: the gateway exits 3), retried as a
+    supervisor would."""
     stop: threading.Event = field(default_factory=threading.Event)
 
     def urls(self) -> list[str]:
@@ -52,16 +64,40 @@ class Faults:
     def run(self) -> None:
         while not self.stop.wait(self.rng.uniform(*self.every_s)):
             i = self.rng.randrange(len(self.gateways))
+            if self.points is not None and self.rng.random() < 0.5:
+                self._at_point(self.points)
             self.down.add(i)
             self.gateways[i].kill9()
             self.kills += 1
             if self.stop.wait(self.rng.uniform(0.2, 1.0)):
                 break
-            self.gateways[i].start()  # reconcile on start (the default), beside the others' traffic
+            self._start(i)  # reconcile on start (the default), beside the others' traffic
             self.down.discard(i)
         for i in sorted(self.down):
-            self.gateways[i].start()
+            self._start(i)
         self.down.clear()
+
+    def _at_point(self, points: Path) -> None:
+        """Arm the point, wait a few seconds for a removal to stop there (the gateway then waits to be killed)."""
+        arm, held = points / "arm", points / "held"
+        arm.touch()
+        deadline = time.monotonic() + 4.0
+        while not held.exists() and time.monotonic() < deadline and not self.stop.wait(0.05):
+            pass
+        arm.unlink()
+        if held.exists():
+            held.unlink()
+            self.point_kills += 1
+
+    def _start(self, i: int, *, tries: int = 10) -> None:
+        for _ in range(tries - 1):
+            try:
+                self.gateways[i].start()
+                return
+            except RuntimeError:
+                self.failed_starts += 1
+                time.sleep(0.5)
+        self.gateways[i].start()
 
 
 def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[bytes]:
@@ -83,7 +119,9 @@ class Tools:
     history: History
     keys: list[str]
     rng: random.Random
-    runs: dict[str, int] = field(default_factory=lambda: {"gc": 0, "import": 0})
+    kill_gc: bool = False
+    """Now and then a ``kvgate gc`` run is killed -9 at a random point (counted in ``runs["gc kill -9"]``)."""
+    runs: dict[str, int] = field(default_factory=lambda: {"gc": 0, "import": 0, "gc kill -9": 0})
     failures: list[str] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
 
@@ -93,11 +131,27 @@ class Tools:
             if self.rng.random() < 0.25:
                 self._import(env)
             else:
-                done = _cli("gc", "--json", env=env)
-                self.runs["gc"] += 1
-                if done.returncode != 0:
-                    self.failures.append(f"gc: {done.stderr.decode(errors='replace')[-500:]}")
+                self._gc(env)
             self.stop.wait(self.rng.uniform(0.2, 1.0))
+
+    def _gc(self, env: dict[str, str]) -> None:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "app", "gc", "--json"],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO), "KVGATE_LOG_LEVEL": "warning", **env},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        self.runs["gc"] += 1
+        if self.kill_gc and self.rng.random() < 0.5:
+            try:
+                proc.wait(self.rng.uniform(0.5, 5.0))  # start-up takes seconds here: the kill lands anywhere
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                self.runs["gc kill -9"] += 1
+        _, err = proc.communicate(timeout=300)
+        if proc.returncode not in (0, -9):
+            self.failures.append(f"gc: {err.decode(errors='replace')[-500:]}")
 
     def _import(self, env: dict[str, str]) -> None:
         """vLLM fs-tier files for a few keys, imported (copied, create-only) while the gateway writes them too."""
@@ -126,12 +180,16 @@ class RunReport:
     kills: int
     tools: dict[str, int]
     seconds: float
+    faults: Counter[str] = field(default_factory=Counter)
+    """Faults injected, by kind (the gateway kills, ``kvgate gc`` kills, bit rot, PostgreSQL's)."""
 
     def lines(self) -> list[str]:
         statuses = ", ".join(f"{k} {v}" for k, v in sorted(self.history.statuses.items()))
+        faults = ", ".join(f"{k} {v}" for k, v in sorted(self.faults.items())) or "none"
         return [
             self.verdict.summary(),
-            f"faults: {self.kills} kill -9; tools: {self.tools}; {self.seconds:.0f} s",
+            f"faults injected: {faults}; corrupted keys {len(self.history.corrupted)}",
+            f"tools: {self.tools}; {self.seconds:.0f} s",
             f"answers: {statuses}",
             *self.verdict.problems[:20],
         ]
@@ -141,15 +199,35 @@ def _traffic(traffic: Traffic, *, workers: int, seconds: float) -> None:
     asyncio.run(traffic.run(workers=workers, seconds=seconds))
 
 
-def run_fs(root: Path, *, seconds: float, seed: int = 1, workers: int = 6, keys: int = 24) -> RunReport:
+def run_fs(
+    root: Path,
+    *,
+    seconds: float,
+    seed: int = 1,
+    workers: int = 6,
+    keys: int = 24,
+    nemesis: frozenset[str] = frozenset(KINDS),
+) -> RunReport:
+    """One filesystem gateway; ``nemesis`` picks the fault kinds (``tests/e2e/nemesis.py``; ``pg`` has none here)."""
     began = time.monotonic()
     history = History()
+    counts: Counter[str] = Counter()
     root.mkdir(parents=True, exist_ok=True)
-    gw = Gateway(root / "data", env=SWEEP_UPLOADS).start()
+    env = dict(SWEEP_UPLOADS)
+    points = None
+    if "points" in nemesis:
+        points = root / "points"
+        points.mkdir(exist_ok=True)
+        env |= {"PYTHONPATH": f"{FAULTS}{os.pathsep}{REPO}", "KVGATE_TEST_FAULT": f"removed:{points}"}
+    gw = Gateway(root / "data", env=env).start()
     names = workload_keys(keys)
-    faults = Faults([gw], random.Random(seed + 1), every_s=(2.0, 5.0))
-    tools = Tools(root / "data", root / "vllm-fs", history, names, random.Random(seed + 2))
+    every = (2.0, 5.0) if "kill9" in nemesis else (1e9, 1e9)
+    faults = Faults([gw], random.Random(seed + 1), every_s=every, points=points)
+    tools = Tools(root / "data", root / "vllm-fs", history, names, random.Random(seed + 2), kill_gc="gc" in nemesis)
+    rot = Rot(root / "data" / "blocks", history, random.Random(seed + 3), counts)
     threads = [threading.Thread(target=faults.run), threading.Thread(target=tools.run)]
+    if "rot" in nemesis:
+        threads.append(threading.Thread(target=rot.run))
     try:
         for t in threads:
             t.start()
@@ -157,10 +235,17 @@ def run_fs(root: Path, *, seconds: float, seed: int = 1, workers: int = 6, keys:
     finally:
         faults.stop.set()
         tools.stop.set()
+        rot.stop.set()
         for t in threads:
             t.join(300)
+    counts["gateway kill -9"] = faults.kills
+    counts["gateway kill -9 right after a row removal (fault point)"] = faults.point_kills
+    counts["gc kill -9"] = tools.runs["gc kill -9"]
     assert not tools.failures, tools.failures
-    assert _cli("gc", "--json", env={"KVGATE_DATA_DIR": str(gw.data_dir)}).returncode == 0
+    env = {"KVGATE_DATA_DIR": str(gw.data_dir)}
+    assert _cli("gc", "--json", env=env).returncode == 0
+    scrub = _cli("scrub", "--json", env=env)  # the corrupt blocks quarantined: a miss from now on
+    assert scrub.returncode == 0, scrub.stderr.decode(errors="replace")[-500:]
     try:
         final = final_state(gw.url, names)
         rows = {k: s for k, s in index_rows(gw.data_dir).items() if k in names}
@@ -171,13 +256,19 @@ def run_fs(root: Path, *, seconds: float, seed: int = 1, workers: int = 6, keys:
     finally:
         gw.stop()
     verdict = check(history, final)
-    return RunReport(verdict, history, faults.kills, tools.runs, time.monotonic() - began)
+    return RunReport(verdict, history, faults.kills, tools.runs, time.monotonic() - began, counts)
 
 
-def _stats_agree(url: str, rows: dict[str, int], part_bytes: int) -> None:
-    """/v1/stats counts the rows, and their bytes with those of the stored parts of incomplete objects."""
-    stats: dict[str, Any] = httpx.get(f"{url}/v1/stats", timeout=10).json()
+def _stats_agree(url: str, rows: dict[str, int], part_bytes: int, *, settle_s: float = 15.0) -> None:
+    """/v1/stats counts the rows, and their bytes with those of the stored parts of incomplete objects (once a
+    change made behind the gateway's back, the final scrub's, has reached its usage refresh)."""
     expected = (len(rows), sum(rows.values()) + part_bytes)
+    deadline = time.monotonic() + settle_s
+    while True:
+        stats: dict[str, Any] = httpx.get(f"{url}/v1/stats", timeout=10).json()
+        if (stats["blocks"], stats["usage_bytes"]) == expected or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
     assert (stats["blocks"], stats["usage_bytes"]) == expected, (stats, expected)
 
 
@@ -196,23 +287,40 @@ def run_replicas(
     replicas: int = 2,
     workers: int = 6,
     keys: int = 24,
+    nemesis: frozenset[str] = frozenset(KINDS),
 ) -> RunReport:
-    """Replicas with ``env`` over the index and bucket that ``truth`` reads behind their backs."""
+    """Replicas with ``env`` over the index and bucket that ``truth`` reads behind their backs; with ``pg`` in
+    ``nemesis`` they reach PostgreSQL through a fault proxy (``tests/e2e/nemesis.py``)."""
     began = time.monotonic()
     history = History()
+    counts: Counter[str] = Counter()
     root.mkdir(parents=True, exist_ok=True)
+    proxy = None
+    if "pg" in nemesis:
+        upstream = int(truth.db_url.rsplit(":", 1)[1].split("/", 1)[0])
+        proxy = PgFaultProxy(upstream_port=upstream, seed=seed).start()
+        env = {**env, "KVGATE_DB_URL": proxy.url_for(truth.db_url)}
     gateways = [Gateway(root / f"g{i}", env={**env, **SWEEP_UPLOADS}) for i in range(replicas)]
     for g in gateways:
         g.start()
     names = workload_keys(keys)
-    faults = Faults(gateways, random.Random(seed + 1), every_s=(2.0, 5.0))
-    thread = threading.Thread(target=faults.run)
+    faults = Faults(gateways, random.Random(seed + 1), every_s=(2.0, 5.0) if "kill9" in nemesis else (1e9, 1e9))
+    threads = [threading.Thread(target=faults.run)]
+    pg = None if proxy is None else PgFaults(proxy, random.Random(seed + 4), counts)
+    if pg is not None:
+        threads.append(threading.Thread(target=pg.run))
     try:
-        thread.start()
+        for t in threads:
+            t.start()
         _traffic(Traffic(faults.urls, names, history, seed=seed), workers=workers, seconds=seconds)
     finally:
         faults.stop.set()
-        thread.join(300)
+        if pg is not None:
+            pg.stop.set()
+        for t in threads:
+            t.join(300)
+    counts["gateway kill -9"] = faults.kills
+    counts["gateway start failed, retried"] = faults.failed_starts
     try:
         finals = [final_state(g.url, names) for g in gateways]
         assert all(f == finals[0] for f in finals), "replicas answer differently"
@@ -225,8 +333,10 @@ def run_replicas(
     finally:
         for g in gateways:
             g.stop()
+        if proxy is not None:
+            proxy.stop()
     verdict = check(history, finals[0])
-    return RunReport(verdict, history, faults.kills, {}, time.monotonic() - began)
+    return RunReport(verdict, history, faults.kills, {}, time.monotonic() - began, counts)
 
 
 @dataclass(frozen=True)

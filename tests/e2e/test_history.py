@@ -1,6 +1,8 @@
-"""The history checker, short (CI): a filesystem gateway killed -9 at random points with ``kvgate gc`` and
-``kvgate import`` beside it; two replicas over SeaweedFS and PostgreSQL, one killed -9 at random points and
-restarted with its start-up reconcile. ``python -m benchmarks.history`` runs the same for longer."""
+"""The history checker, short (CI), with its nemesis (tests/e2e/nemesis.py): a filesystem gateway killed -9 at
+random points with ``kvgate gc`` (itself killed -9 now and then) and ``kvgate import`` beside it, and its block
+files bit-flipped and truncated behind its back; two replicas over SeaweedFS and PostgreSQL, one killed -9 at random
+points and restarted with its start-up reconcile, PostgreSQL behind a fault proxy that loses COMMIT replies and
+partitions. ``python -m benchmarks.history --nemesis all`` runs the same for longer."""
 
 from __future__ import annotations
 
@@ -18,15 +20,16 @@ SECONDS = float(os.environ.get("KVGATE_HISTORY_SECONDS", "40"))
 pytestmark = pytest.mark.timeout(600)
 
 
-def test_history_fs_with_gc_import_and_kill9(tmp_path: Path) -> None:
+def test_history_fs_with_gc_import_kill9_and_bit_rot(tmp_path: Path) -> None:
     report = run_fs(tmp_path, seconds=SECONDS, seed=7)
     print("\n".join(report.lines()))
-    assert report.kills >= 2 and report.tools["gc"] >= 2
     assert report.verdict.problems == []
+    assert report.kills >= 2 and report.tools["gc"] >= 2
+    assert report.faults["bit flip"] + report.faults["truncation"] >= 3
     assert report.verdict.ops["put ok"] > 30 and report.verdict.reads > 60
 
 
-def test_history_replicas_on_seaweedfs_and_postgresql(
+def test_history_replicas_on_seaweedfs_and_postgresql_with_lost_commits(
     tmp_path: Path, seaweedfs_server: SeaweedServer, pg_server: PgServer
 ) -> None:
     db_url = asyncio.run(pg_server.create_database())
@@ -37,6 +40,7 @@ def test_history_replicas_on_seaweedfs_and_postgresql(
     finally:
         asyncio.run(pg_server.drop_database(db_url))
     print("\n".join(report.lines()))
-    assert report.kills >= 2
     assert report.verdict.problems == []
+    assert report.kills >= 2
+    assert report.faults["pg lost COMMIT reply"] + report.faults["pg partition"] >= 3
     assert report.verdict.ops["put ok"] > 30 and report.verdict.reads > 60

@@ -1,0 +1,115 @@
+"""The history checker's nemesis: faults injected at random beside the traffic of ``tests/e2e/history.py``, each
+kind counted. The gateway kills (``Faults``) and ``kvgate gc`` kills (``Tools``) live in ``history_runs``; here:
+
+- ``rot``: a stored block file has a bit flipped or is truncated in place, its mtime put back (as bit rot leaves a
+  file: its stamp still the row's). The key is marked corrupted in the history: from then on it may be a miss, but
+  a body served under an ETag must still be that ETag's (a 200 whose bytes do not match its ETag is counted as
+  detected by the client; a body matching an ETag nobody wrote is a problem); an acknowledged write of the key
+  that began after the change ends the exemption;
+- ``pg``: through ``tests/pg_proxy.py`` in front of PostgreSQL, bursts of lost COMMIT replies (the server commits,
+  the answer is dropped) and partitions (every connection cut, new ones refused for a second or so).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.e2e.history import History
+from tests.pg_proxy import PgFaultProxy
+
+KINDS = ("kill9", "points", "gc", "rot", "pg")
+"""Fault kinds: gateway kill -9, some of them aimed at a named fault point (``removed``: right after a block row's
+removal commits; filesystem scenario, with ``kill9``), ``kvgate gc`` kill -9, bit rot in block files, PostgreSQL
+faults."""
+
+
+def parse_kinds(spec: str) -> frozenset[str]:
+    """``all``, ``none`` or a comma list of :data:`KINDS`."""
+    if spec == "all":
+        return frozenset(KINDS)
+    if spec == "none":
+        return frozenset()
+    kinds = frozenset(s.strip() for s in spec.split(",") if s.strip())
+    unknown = kinds - set(KINDS)
+    if unknown:
+        raise ValueError(f"unknown fault kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
+    return kinds
+
+
+@dataclass
+class Rot:
+    """Bit flips and truncations of published block files under ``blocks``, at random, until stopped."""
+
+    blocks: Path
+    history: History
+    rng: random.Random
+    counts: Counter[str]
+    every_s: tuple[float, float] = (2.0, 6.0)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        while not self.stop.wait(self.rng.uniform(*self.every_s)):
+            files = sorted(
+                p
+                for p in self.blocks.rglob("*.bin")
+                if not p.name.startswith(".") and "_parts" not in p.relative_to(self.blocks).parts
+            )
+            if files:
+                self._corrupt(self.rng.choice(files))
+
+    def _corrupt(self, path: Path) -> None:
+        key = path.relative_to(self.blocks).as_posix()
+        span = self.history.corrupt(key)  # before the bytes change: a read that sees them comes after
+        try:
+            st = path.stat()
+            if st.st_size == 0:
+                return
+            if self.rng.random() < 0.6:
+                at = self.rng.randrange(st.st_size)
+                with open(path, "r+b") as f:
+                    f.seek(at)
+                    byte = f.read(1)[0]
+                    f.seek(at)
+                    f.write(bytes([byte ^ (1 << self.rng.randrange(8))]))
+                kind = "bit flip"
+            else:
+                os.truncate(path, self.rng.randrange(st.st_size))
+                kind = "truncation"
+            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        except (FileNotFoundError, IndexError):
+            return  # replaced or removed meanwhile
+        finally:
+            span[1] = time.monotonic()
+        self.counts[kind] += 1
+
+
+@dataclass
+class PgFaults:
+    """Lost COMMIT replies in bursts and short partitions of PostgreSQL, through ``proxy``, until stopped."""
+
+    proxy: PgFaultProxy
+    rng: random.Random
+    counts: Counter[str]
+    every_s: tuple[float, float] = (1.0, 3.0)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        while not self.stop.wait(self.rng.uniform(*self.every_s)):
+            if self.rng.random() < 0.6:
+                self.proxy.lose_rate = 0.3
+                self.stop.wait(self.rng.uniform(0.5, 1.5))
+                self.proxy.lose_rate = 0.0
+            else:
+                self.proxy.cut()
+                self.counts["pg partition"] += 1
+                self.stop.wait(self.rng.uniform(0.3, 1.5))
+                self.proxy.heal()
+        self.proxy.lose_rate = 0.0
+        self.proxy.heal()
+        self.counts["pg lost COMMIT reply"] = self.proxy.lost

@@ -153,11 +153,13 @@ class BlockClient:
 
     # -- bytes in flight -------------------------------------------------------------------------------------
 
-    def reserve(self, nbytes: int) -> bool:
-        """Take ``nbytes`` of the in-flight budget; False (and a dropped store counted) when it does not fit."""
+    def reserve(self, nbytes: int, *, count: bool = True) -> bool:
+        """Take ``nbytes`` of the in-flight budget; False when it does not fit (counted as a dropped store unless
+        ``count`` is False: a caller that will wait and try again counts the drop itself if it gives up)."""
         if self.budget.reserve(nbytes):
             return True
-        self.stats.dropped_stores += 1
+        if count:
+            self.stats.dropped_stores += 1
         return False
 
     def release(self, nbytes: int) -> None:

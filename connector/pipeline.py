@@ -222,7 +222,7 @@ class WorkerPipeline:
         waits (up to ``keep_wait_s``) for an upload in flight to finish and give its room back, then tries again."""
         deadline = time.monotonic() + (self.keep_wait_s if keep else 0.0)
         while True:
-            fits = self.client.budget.reserve(nbytes)
+            fits = self.client.reserve(nbytes, count=False)
             if fits:
                 try:
                     batch = transfer.gather(chunk, after=after)

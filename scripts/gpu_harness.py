@@ -46,7 +46,7 @@ class MemoryClient:
     def run(self, coro: Coroutine[Any, Any, Any], *, timeout_s: float | None = None) -> Any:
         return self.submit(coro).result(timeout=timeout_s)
 
-    def reserve(self, nbytes: int) -> bool:
+    def reserve(self, nbytes: int, *, count: bool = True) -> bool:
         self.inflight_bytes += nbytes
         return True
 

@@ -13,6 +13,7 @@ import contextlib
 import json
 import socket
 import ssl
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -192,3 +193,27 @@ def test_an_answer_after_the_whole_body_keeps_the_connection(served: Served) -> 
         status, headers, body = _answer(sock)
         assert (status, json.loads(body)["prefix"]) == (200, 1)
         assert _next_request(sock) == "answered"
+
+
+@pytest.mark.parametrize("name", ["401", "413-some", "507"])
+def test_a_client_that_sends_its_whole_body_first_gets_the_early_answer(served: Served, name: str) -> None:
+    """The close lingers: a client that writes its whole body before it reads (as most do), its last bytes sent
+    after the gateway has answered, gets the early answer, not a reset. Before, the gateway closed with the rest of
+    the body still coming, the kernel answered those bytes with a reset and the answer was lost (a PUT refused 503
+    while PostgreSQL was down came back as a ReadError in tests/e2e/test_outages.py)."""
+    case = EARLY[name]
+    assert case.length is not None
+    head_and_some = _put(case)
+    with contextlib.closing(served.connect()) as sock:
+        sock.sendall(head_and_some)
+        time.sleep(0.5)  # the gateway answers meanwhile; the client, not reading yet, sends the rest of its body
+        try:
+            sock.sendall(b"b" * (case.length - case.sent))
+        except (ConnectionResetError, BrokenPipeError) as exc:
+            pytest.fail(f"the connection was reset under the client's body: {exc!r}")
+        try:
+            status, headers, body = _answer(sock)
+        except ConnectionResetError as exc:
+            pytest.fail(f"the early answer was lost to a reset: {exc!r}")
+        assert (status, headers.get("connection", "").lower()) == (case.status, "close"), body
+        assert _next_request(sock) == "closed"

@@ -40,7 +40,10 @@ def same_output(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 def block_files(gw: Gateway) -> list[Path]:
     """The gateway's block files, oldest first (each prompt's uploads are awaited before the next is generated)."""
-    return sorted(gw.data_dir.rglob("*.bin"), key=lambda p: p.stat().st_mtime_ns)
+    # not the quarantined (``.kvgate-corrupt-<id>.<name>``): the control's altered blocks are moved aside
+    return sorted(
+        (p for p in gw.data_dir.rglob("*.bin") if not p.name.startswith(".")), key=lambda p: p.stat().st_mtime_ns
+    )
 
 
 def namespaces(gw: Gateway) -> list[dict[str, Any]]:

@@ -76,6 +76,9 @@ async def test_a_wait_beyond_the_cap_is_cut_and_a_negative_one_is_422(client: ht
     assert bad.status_code == 422, bad.text
     bad = await client.post("/v1/lookup", json={"keys": keys, "min_prefix": -1})
     assert bad.status_code == 422, bad.text
+    for field in ("wait_ms", "min_prefix"):  # integers, not a JSON boolean read as one (schemathesis found it)
+        bad = await client.post("/v1/lookup", json={"keys": keys, field: False})
+        assert bad.status_code == 422, bad.text
 
 
 async def test_a_plain_lookup_does_not_wait(client: httpx.AsyncClient) -> None:

@@ -10,7 +10,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from app.api.errors import documented
 from app.api.routes.deps import service, settings
@@ -18,7 +18,7 @@ from app.config import Settings
 from app.core.service import BlockService
 from app.errors import PayloadTooLarge
 
-MAX_LOOKUP_WAIT_MS = 10_000
+MAX_LOOKUP_WAIT_MS = 5_000
 """The longest a lookup waits for its prefix; a longer ``wait_ms`` is cut to this."""
 
 
@@ -35,8 +35,19 @@ class LookupRequest(BaseModel):
         ),
     )
     min_prefix: int | None = Field(
-        default=None, ge=0, description="the prefix to wait for, in keys (absent: all of them; only with wait_ms)"
+        default=None,
+        ge=0,
+        strict=True,
+        description="the prefix to wait for, in keys (absent: all of them; only with wait_ms)",
     )
+
+    @field_validator("wait_ms", "min_prefix", mode="before")
+    @classmethod
+    def _not_a_boolean(cls, value: object) -> object:
+        """Integers as JSON Schema reads them (199.0 is one), never a boolean read as one."""
+        if isinstance(value, bool):
+            raise ValueError("an integer, not a boolean")
+        return value
 
 
 class LookupSlot(BaseModel):

@@ -111,6 +111,7 @@ def fail_closed(base: type[HttpToolsProtocol]) -> type[HttpToolsProtocol]:
                 self._unread = None
                 if not cycle.response_started:  # an answer begun has said Connection: close: it keeps its word
                     cycle.keep_alive = True
+                    cycle.transport = self.transport  # nothing to linger for: the answer writes straight to it
             super().on_message_complete()
 
         def shutdown(self) -> None:

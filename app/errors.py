@@ -42,6 +42,16 @@ class SizeMismatch(KVGateError):
     """The body is shorter or longer than its Content-Length (nothing was published)."""
 
 
+class CorruptData(KVGateError):
+    """Stored bytes are not those their writer sealed (the checksum a file of this store's carries beside its
+    stamp): they rotted while no row named them. Never adopted; moved aside by whoever found them. ``stamp``: the
+    version found."""
+
+    def __init__(self, message: str, *, stamp: str | None = None) -> None:
+        super().__init__(message)
+        self.stamp = stamp
+
+
 class LengthRequired(KVGateError):
     pass
 

@@ -34,6 +34,7 @@ ERROR_TABLE: dict[type[Exception], tuple[int, str]] = {
     e.Forbidden: (403, "forbidden"),
     e.BlockNotFound: (404, "not_found"),
     e.NamespaceNotFound: (404, "namespace_not_found"),
+    e.CorruptData: (404, "corrupt_data"),
     e.EventsDisabled: (404, "events_disabled"),
     e.Conflict: (409, "conflict"),
     e.LengthRequired: (411, "length_required"),

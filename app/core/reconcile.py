@@ -32,6 +32,7 @@ from typing import Any
 from app.core.parts import PARTS_PREFIX
 from app.core.upkeep import Settled, Upkeep
 from app.core.versions import STAGED_MAX_AGE_S
+from app.errors import CorruptData
 from app.index import Index
 from app.index.staging import PART
 from app.storage import BlockStore, ObjectInfo
@@ -174,9 +175,12 @@ async def reconcile(
     async def adopt(key: str) -> None:
         nonlocal adopted
         before = await index.get(key)
-        meta = await upkeep.adopt(parse_block_key(key))
-        if meta is not None and before is None:
-            report.adopted += 1
+        try:
+            meta = await upkeep.adopt(parse_block_key(key))
+        except CorruptData:  # moved aside, never adopted
+            report.corrupt_removed += 1
+        else:
+            report.adopted += meta is not None and before is None
         adopted += 1
         if adopted % 256 == 0 or adopted == len(orphans):
             note("digest", adopted, len(orphans))

@@ -21,7 +21,15 @@ from dataclasses import dataclass
 
 from app.core.parts import PartAssembler
 from app.core.versions import Change, Versions, meta_of
-from app.errors import BlockNotFound, DigestMismatch, KVGateError, NamespaceNotFound, SizeMismatch, VersionMismatch
+from app.errors import (
+    BlockNotFound,
+    CorruptData,
+    DigestMismatch,
+    KVGateError,
+    NamespaceNotFound,
+    SizeMismatch,
+    VersionMismatch,
+)
 from app.index import ABSENT, BlockRecord, Index, NamespaceUsage, Upload
 from app.storage import BlockStore
 from app.storage.base import BodyChecker, Leftover, Version
@@ -164,7 +172,10 @@ class Upkeep:
         store = self._store
         row = await change.row()
         if row is None:
-            return Settled.ABSENT if await self._adopt_locked(change, key) is None else Settled.ADOPTED
+            try:
+                return Settled.ABSENT if await self._adopt_locked(change, key) is None else Settled.ADOPTED
+            except CorruptData:
+                return Settled.CORRUPT
         if row.stamp is not None and await store.has_version(key.path, row.stamp):
             return Settled.KEPT  # it was a change in flight, now done
         if row.stamp is not None and await store.roll_forward(key.path, row.stamp):
@@ -181,6 +192,11 @@ class Upkeep:
             await change.remove(expect=row.stamp, data=False)
             log.warning("repair: no data for key=%s, row dropped", key.path)
             return Settled.DROPPED
+        except CorruptData as exc:  # neither the row's bytes nor those sealed: nothing vouches for them
+            if await self._quarantine(key, exc):
+                await change.remove(expect=row.stamp, data=False)
+                return Settled.CORRUPT
+            return await self._settle(change, key)
         if (found.size, found.digest) == (row.size, row.digest):
             # the row's bytes under another stamp (copied back, touched): keep them, with a stamp of ours
             claimed = found if store.issued(found.stamp) else await store.claim(key.path, algorithm=algorithm)
@@ -242,7 +258,8 @@ class Upkeep:
 
     async def adopt(self, key: BlockKey) -> Version | None:
         """Record the data stored under ``key`` if no row names a version of it (``kvgate import`` in place,
-        reconcile's data without a row); the version recorded or kept, None if there is no data."""
+        reconcile's data without a row); the version recorded or kept, None if there is no data; CorruptData
+        (moved aside) if the store sealed other bytes than those."""
         async with self._versions.change(key.path) as change:
             row = await change.row()
             if row is not None:
@@ -250,12 +267,21 @@ class Upkeep:
             return await self._adopt_locked(change, key)
 
     async def _adopt_locked(self, change: Change, key: BlockKey) -> Version | None:
+        """CorruptData (the bytes moved aside) if the store sealed other bytes than those there now."""
         try:
             claimed = await self._store.claim(key.path)
         except BlockNotFound:
             return None
+        except CorruptData as exc:
+            await self._quarantine(key, exc)
+            raise
         done = await change.record(key, claimed, expect=ABSENT)
         return done.meta
+
+    async def _quarantine(self, key: BlockKey, found: CorruptData) -> bool:
+        """Move aside the bytes ``found`` judged rotten, if they are still there; whether they were."""
+        log.error("corrupt block key=%s: %s; quarantined", key.path, found)
+        return await self._store.quarantine(key.path, stamp=found.stamp)
 
     async def upgrade_stamp(self, key: BlockKey, *, stamp: str) -> bool:
         """Give a row of an earlier release (its stamp one of that release's) and its data a stamp of this store's

@@ -206,7 +206,7 @@ class FilesystemStore(BlockStore):
             if not last:
                 return None
             meta = checker.finish()
-            stamp = seal_stamp(fd, vid=vid)
+            stamp = seal_stamp(fd, vid=vid, digest=meta.digest)
             if self._fsync:
                 os.fsync(fd)
             return Staged(key=key, meta=meta, stamp=stamp, handle=_Temp(tmp, fd))
@@ -286,7 +286,7 @@ class FilesystemStore(BlockStore):
                     finally:
                         os.close(fd)
                         fd = copy
-                stamp = seal_stamp(fd, vid=vid)
+                stamp = seal_stamp(fd, vid=vid, digest=meta.digest)
                 if self._fsync:
                     os.fsync(fd)
             except BaseException:

@@ -9,6 +9,11 @@ timestamps are; a file changed in place keeps its id but not its mtime, so it no
 valid attribute (written by vLLM's fs tier, or by kvgate before stamps had ids) is named ``<inode>:<mtime_ns>``,
 the stamps of earlier releases, which rows written then still hold.
 
+**The sealed checksum**: the attribute also carries, after a space, the checksum the bytes had when they were
+sealed (``<id>.<mtime_ns> crc64nvme:<hex>``). Bit rot keeps both id and mtime, so it is the only witness left when
+no row names the file (a crash between rename and commit, a lost index): ``hash_file`` refuses to vouch for bytes
+that are not those sealed (``CorruptData``), and nobody adopts them under a fresh checksum.
+
 **A staged version** is ``.kvgate-tmp-<id>.<name>`` in its key's directory, where ``name`` is the key's file name:
 its writer holds an open-file-description lock on it until it is published or discarded, so a sweep can tell a
 live writer's file (locked) from one a crash left behind (unlocked), with no clock involved. Between the file's
@@ -32,7 +37,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from app.errors import BackendUnavailable, InsufficientStorage, SizeMismatch
+from app.errors import BackendUnavailable, CorruptData, InsufficientStorage, SizeMismatch
 from app.storage.base import BodyChecker, ObjectInfo, Version
 from app.threads import run_sync
 
@@ -101,26 +106,39 @@ def read_cached(fd: int, n: int, pos: int) -> bytearray | None:
     return buf
 
 
-def read_stamp(target: int | str | Path, st: os.stat_result) -> str:
-    """The stamp of the file open as ``target`` (a descriptor, or a path), whose stat is ``st``."""
+def _attribute(target: int | str | Path) -> str:
     try:
         raw = os.getxattr(target, XATTR)
     except OSError as exc:
         if exc.errno not in _NO_XATTR:
             raise
-        raw = b""
-    if raw:
-        value = raw.decode("ascii", "replace")
-        vid, sep, mtime = value.partition(".")
+        return ""
+    return raw.decode("ascii", "replace")
+
+
+def read_stamp(target: int | str | Path, st: os.stat_result) -> str:
+    """The stamp of the file open as ``target`` (a descriptor, or a path), whose stat is ``st``."""
+    value = _attribute(target)
+    if value:
+        stamp = value.partition(" ")[0]
+        vid, sep, mtime = stamp.partition(".")
         if sep and len(vid) == 32 and mtime == str(st.st_mtime_ns):
-            return value
+            return stamp
     return f"{st.st_ino}:{st.st_mtime_ns}"
 
 
-def seal_stamp(fd: int, *, vid: str) -> str:
-    """Give the file open as ``fd`` (written in full) the stamp of version ``vid``; the stamp."""
+def sealed_digest(target: int | str | Path) -> str | None:
+    """The checksum the file open as ``target`` had when this store sealed it (its mtime need not match any
+    more: a touched file is still judged by its bytes); None for a file sealed without one, or never sealed."""
+    stamp, _, digest = _attribute(target).partition(" ")
+    return (digest or None) if len(stamp.partition(".")[0]) == 32 else None
+
+
+def seal_stamp(fd: int, *, vid: str, digest: str | None) -> str:
+    """Give the file open as ``fd`` (written in full, its bytes' checksum ``digest``) the stamp of version ``vid``,
+    with the checksum beside it; the stamp."""
     stamp = f"{vid}.{os.fstat(fd).st_mtime_ns}"
-    os.setxattr(fd, XATTR, stamp.encode())
+    os.setxattr(fd, XATTR, f"{stamp} {digest}".encode() if digest else stamp.encode())
     return stamp
 
 
@@ -387,7 +405,7 @@ def restamp_file(path: Path, stamp: str, fsync: bool) -> str | None:
     try:
         if read_stamp(fd, os.fstat(fd)) != stamp:
             return None
-        new = seal_stamp(fd, vid=new_id())
+        new = seal_stamp(fd, vid=new_id(), digest=sealed_digest(fd))
         if fsync:
             os.fsync(fd)
         return new
@@ -437,7 +455,7 @@ def drop_unlocked(path: Path) -> bool:
 
 def hash_file(path: Path, chunk: int, claim: bool, fsync: bool, algorithm: str) -> Version:
     """The size, checksum (in ``algorithm``, with the chunk CRCs) and stamp of the file at ``path``; ``claim``: a
-    file without a stamp of ours gets one."""
+    file without a stamp of ours gets one. CorruptData if this store sealed other bytes under that name."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
@@ -450,10 +468,13 @@ def hash_file(path: Path, chunk: int, claim: bool, fsync: bool, algorithm: str) 
             checker.update(data)
             pos += len(data)
         meta = checker.finish()
+        sealed = sealed_digest(fd)
         stamp = read_stamp(fd, st)
+        if sealed is not None and _same_kind(sealed, meta.digest) and sealed != meta.digest:
+            raise CorruptData(f"bytes are {meta.digest}, sealed {sealed}", stamp=stamp)
         if claim and id_of(stamp) is None and os.fstat(fd).st_mtime_ns == st.st_mtime_ns:
             try:
-                stamp = seal_stamp(fd, vid=new_id())
+                stamp = seal_stamp(fd, vid=new_id(), digest=meta.digest)
                 if fsync:
                     os.fsync(fd)
             except PermissionError:
@@ -461,6 +482,11 @@ def hash_file(path: Path, chunk: int, claim: bool, fsync: bool, algorithm: str) 
         return dataclasses.replace(meta, stamp=stamp)
     finally:
         os.close(fd)
+
+
+def _same_kind(a: str, b: str) -> bool:
+    """Whether two checksum tokens are of one algorithm (``crc64nvme:<hex>``, or a sha256's bare hex)."""
+    return a.partition(":")[0] == b.partition(":")[0] if ":" in a or ":" in b else True
 
 
 def walk_files(root: Path, prefix: str) -> list[ObjectInfo]:

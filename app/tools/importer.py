@@ -26,7 +26,7 @@ import typer
 from app.backends import open_backends
 from app.config import FsBackend, Settings
 from app.core.assembly import Core, open_core
-from app.errors import KVGateError, PreconditionFailed
+from app.errors import CorruptData, KVGateError, PreconditionFailed
 from contract.keys import InvalidKey, parse_block_key, parse_config_key
 
 log = logging.getLogger("kvgate.importer")
@@ -43,6 +43,8 @@ class ImportReport:
     blocks: int = 0
     bytes: int = 0
     already_indexed: int = 0
+    corrupt: int = 0
+    """files whose bytes were not those kvgate sealed them with (bit rot): moved aside, not adopted"""
     skipped: int = 0
     failed: int = 0
     examples: dict[str, list[str]] = field(default_factory=lambda: {"skipped": [], "failed": []})
@@ -161,8 +163,12 @@ class Importer:
             return
         try:  # both conditional: a key a gateway stored meanwhile keeps the gateway's version
             if self.in_place:
-                if (await self.core.upkeep.adopt(key)) is None:
-                    raise FileNotFoundError(rel)
+                try:
+                    if (await self.core.upkeep.adopt(key)) is None:
+                        raise FileNotFoundError(rel)
+                except CorruptData:
+                    self.report.corrupt += 1
+                    return
             else:
                 source = _file_chunks(self.source / rel)
                 await self.core.service.put(key, source, size=size, digest=None, create_only=True)

@@ -171,6 +171,12 @@ class Settings(BaseSettings):
         "change is conditional on the version it observed)",
     )
     reconcile_concurrency: int = Field(default=8, gt=0, description="digests computed at once by reconcile")
+    startup_wait_s: float = Field(
+        default=120.0,
+        ge=0,
+        description="start-up keeps trying this long to reach an index or store that is not up yet (PostgreSQL "
+        "restarting, S3 not listening) before it gives up (exit 3); 0: one try",
+    )
     scrub_interval_s: float = Field(
         default=86400.0,
         ge=0,

@@ -36,6 +36,8 @@ from app.core.events import NO_EVENTS
 from app.core.events_feed import EventFeed
 from app.core.events_setup import event_parts, open_events
 from app.core.reconcile import reconcile
+from app.errors import BackendUnavailable
+from app.index.engine import unreachable
 
 log = logging.getLogger("kvgate")
 
@@ -114,7 +116,7 @@ def _principals(cfg: Settings) -> Principals | None:
 def _app(cfg: Settings, *, principals: Principals | None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with open_backends(cfg) as backends, _serving(app, cfg=cfg, backends=backends):
+        async with _started(app, cfg=cfg):
             yield
 
     app = FastAPI(
@@ -150,6 +152,35 @@ def _restart() -> None:
     service manager, starts another, which opens the file that is there now)."""
     log.error("coordination file removed or replaced: refusing changes, restarting")
     os.kill(os.getpid(), signal.SIGTERM)
+
+
+STARTUP_RETRY_S = (0.5, 5.0)
+"""Start-up's first wait between tries, and the longest (doubling in between)."""
+
+
+@contextlib.asynccontextmanager
+async def _started(app: FastAPI, *, cfg: Settings) -> AsyncIterator[None]:
+    """The backends opened and the core serving, tried again while the index or the store cannot be reached yet,
+    for up to ``startup_wait_s`` (a gateway started beside its PostgreSQL waits for it, as a client would)."""
+    deadline = time.monotonic() + cfg.startup_wait_s
+    pause = STARTUP_RETRY_S[0]
+    while True:
+        stack = contextlib.AsyncExitStack()
+        try:
+            backends = await stack.enter_async_context(open_backends(cfg))
+            await stack.enter_async_context(_serving(app, cfg=cfg, backends=backends))
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                await stack.aclose()
+            if not (isinstance(exc, BackendUnavailable) or unreachable(exc)) or time.monotonic() + pause > deadline:
+                raise
+            log.warning("start-up: %s: %s; trying again in %.1f s", type(exc).__name__, exc, pause)
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, STARTUP_RETRY_S[1])
+            continue
+        async with stack:
+            yield
+        return
 
 
 @contextlib.asynccontextmanager

@@ -9,6 +9,7 @@ receiving bodies, a group commit of a few rows took 65 ms that way, most of a 2 
 from __future__ import annotations
 
 import functools
+import socket
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
@@ -90,6 +91,21 @@ def is_busy(exc: BaseException) -> bool:
     orig = exc.orig if isinstance(exc, DBAPIError) else exc
     code = getattr(orig, "sqlite_errorcode", None)
     return isinstance(code, int) and code & 0xFF == SQLITE_BUSY
+
+
+_NETWORK = (ConnectionError, TimeoutError, socket.gaierror)
+"""A server refusing, resetting or not answering, or a name that does not resolve yet."""
+_NOT_UP_YET = frozenset({"ConnectionDoesNotExistError", "CannotConnectNowError", "TooManyConnectionsError"})
+"""asyncpg's errors of a server not reachable yet (a dropped connection, a server starting or full), which reach
+a caller unwrapped on some paths (alembic's connect)."""
+
+
+def unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the database cannot be reached now (worth another try later), not that a setting, a
+    credential or a statement is wrong (no try mends those)."""
+    if isinstance(exc, DBAPIError):
+        return exc.connection_invalidated or is_busy(exc) or (exc.orig is not None and unreachable(exc.orig))
+    return isinstance(exc, (IndexUnavailable, *_NETWORK)) or type(exc).__name__ in _NOT_UP_YET
 
 
 async def guard(coro: Awaitable[T], what: str) -> T:

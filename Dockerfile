@@ -1,6 +1,6 @@
 # kvgate gateway image: the wheel built from this checkout, installed like any user installs it, run as an
 # unprivileged user from its data directory (no source tree in the image).
-# Build: docker build -t kvgate .      Run: see docker-compose.yml and the README's "Running at scale".
+# Build: docker build -t kvgate .      Run: see docker-compose.yml and docs/operations.md ("Running at scale").
 FROM python:3.11-slim-bookworm AS build
 
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1

@@ -7,7 +7,7 @@ key is still what it read (compare-and-set on the version): a decision made from
 listing, eviction's LRU candidates) can never remove or replace a version written since. Recovery rolls forward:
 a staged version that a committed row names is published, never deleted; bytes of a version this store wrote are
 recorded, never removed as "corrupt" because of a timestamp. The crash points and what recovery does at each are
-in the README (Design, "Crashes").
+in ARCHITECTURE.md (Design, "Crashes roll forward").
 """
 
 from __future__ import annotations

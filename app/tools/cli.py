@@ -129,7 +129,7 @@ def token_new(
 
 @cli.command("settings")
 def settings_command(
-    markdown: Annotated[bool, typer.Option("--markdown", help="the README's table")] = False,
+    markdown: Annotated[bool, typer.Option("--markdown", help="the table of docs/settings.md")] = False,
 ) -> None:
     """List every setting: environment variable, default, meaning."""
     if markdown:

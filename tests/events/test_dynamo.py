@@ -173,7 +173,7 @@ def test_dynamo_indexer_matches_lookup_with_default_settings(addresses: str, tmp
 
 def test_dynamo_indexes_tier_chunks_registered_with_the_chunks_size(tmp_path: Path) -> None:
     """vLLM's OffloadingConnector tier with two blocks per chunk stores one key per chunk, whose event carries the
-    chunk's tokens: Dynamo registered with the chunk's size (what the README says to register) indexes them."""
+    chunk's tokens: Dynamo registered with the chunk's size (what docs/events.md says to register) indexes them."""
     python = dynamo_python()
     chunk = 2 * BLOCK
     model = "test-org/model-a"

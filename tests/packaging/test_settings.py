@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from app.config import FsBackend, Settings
-from app.settings_help import markdown_table, readme_section, rows
+from app.settings_help import SETTINGS_DOC, markdown_table, rows, table_section
 from app.tools.cli import cli
 from tests.conftest import key_for
 from tests.gateway import REPO, Gateway
@@ -67,9 +67,9 @@ def test_a_bad_setting_is_one_line_and_exit_2(tmp_path: Path, env: dict[str, str
     assert not (tmp_path / "d").exists()
 
 
-def test_readme_table_is_the_generated_one() -> None:
-    readme = (REPO / "README.md").read_text()
-    assert readme_section(readme) == markdown_table(), "regenerate it: python -m app.settings_help README.md"
+def test_the_settings_table_is_the_generated_one() -> None:
+    doc = (REPO / SETTINGS_DOC).read_text()
+    assert table_section(doc) == markdown_table(), f"regenerate it: python -m app.settings_help ({SETTINGS_DOC})"
 
 
 def test_serve_help_lists_every_setting() -> None:

@@ -1,4 +1,4 @@
-"""The package layering the README's Architecture section draws, checked on every module's imports (ast, no import)."""
+"""The package layering ARCHITECTURE.md draws, checked on every module's imports (ast, no import)."""
 
 from __future__ import annotations
 

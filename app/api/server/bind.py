@@ -42,7 +42,7 @@ def bind_warnings(settings: Settings) -> list[str]:
     if settings.require_tls:
         raise ValueError(
             "refusing to start without TLS (KVGATE_REQUIRE_TLS is set): set KVGATE_TLS_CERTFILE and "
-            "KVGATE_TLS_KEYFILE (see the README's TLS section)"
+            "KVGATE_TLS_KEYFILE (see docs/operations.md, TLS and mutual TLS)"
         )
     if not is_loopback(settings.host):
         warnings.append(

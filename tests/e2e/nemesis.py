@@ -7,11 +7,14 @@ kind counted. The gateway kills (``Faults``) and ``kvgate gc`` kills (``Tools``)
   detected by the client; a body matching an ETag nobody wrote is a problem); an acknowledged write of the key
   that began after the change ends the exemption;
 - ``pg``: through ``tests/pg_proxy.py`` in front of PostgreSQL, bursts of lost COMMIT replies (the server commits,
-  the answer is dropped) and partitions (every connection cut, new ones refused for a second or so).
+  the answer is dropped) and partitions (every connection cut, new ones refused for a second or so);
+- ``clock``: every process started (gateway, ``kvgate gc``, ``kvgate import``) runs with its own clock offset, drawn
+  from ±30 minutes (libfaketime), as on hosts whose clocks disagree: no decision may depend on two of them.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import random
 import threading
@@ -23,10 +26,35 @@ from pathlib import Path
 from tests.e2e.history import History
 from tests.pg_proxy import PgFaultProxy
 
-KINDS = ("kill9", "points", "gc", "rot", "pg")
+KINDS = ("kill9", "points", "gc", "rot", "pg", "clock")
 """Fault kinds: gateway kill -9, some of them aimed at a named fault point (``removed``: right after a block row's
-removal commits; filesystem scenario, with ``kill9``), ``kvgate gc`` kill -9, bit rot in block files, PostgreSQL
-faults."""
+removal commits; filesystem scenario, with ``kill9``), ``kvgate gc`` and ``kvgate import`` kill -9, bit rot in
+block files, PostgreSQL faults, clock offsets per process."""
+
+CLOCK_OFFSET_S = 30 * 60
+
+
+def libfaketime() -> str | None:
+    found = sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1"))
+    return found[0] if found else None
+
+
+@dataclass
+class Clocks:
+    """Environments that give each process started its own clock, ``offset_s`` either side of this host's (libfaketime:
+    the wall clock and the monotonic one move by a constant); each one drawn is counted."""
+
+    rng: random.Random
+    counts: Counter[str]
+    offset_s: int = CLOCK_OFFSET_S
+
+    def env(self) -> dict[str, str]:
+        lib = libfaketime()
+        if lib is None:
+            raise RuntimeError("libfaketime not installed (apt-get install -y faketime)")
+        offset = self.rng.randint(-self.offset_s, self.offset_s)
+        self.counts["clock offset (a process started off by up to 30 min)"] += 1
+        return {"LD_PRELOAD": lib, "FAKETIME": f"{offset:+d}", "FAKETIME_DONT_RESET": "1"}
 
 
 def parse_kinds(spec: str) -> frozenset[str]:

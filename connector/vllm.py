@@ -9,11 +9,12 @@ while it is in flight), the worker fetches and scatters between steps and report
 blocks that could not be loaded are reported by ``get_block_ids_with_load_errors`` and vLLM recomputes them. How
 much of a hit is loaded, and by when, is the cost model's call (connector/cost.py): every load has a deadline, past
 which the blocks that did not arrive are reported so; what each load measured comes back to the scheduler in
-``KVGateWorkerMetadata`` and its decisions go out in vLLM's KV transfer stats (``KVGateStats``). A step with work
-never waits on the network. A step with nothing scheduled waits, bounded, for a lookup (``build_connector_meta``) or
-a load (``get_finished``) in flight instead of returning at once: the engine would step again at once, thousands of
-times a second, holding the GIL and a core that the loads need. Stores are best effort: a block that does not fit
-the bounded buffers is dropped and counted.
+``KVGateWorkerMetadata`` and its decisions go out in vLLM's KV transfer stats (``KVGateStats``) and its Prometheus
+metrics (connector/vllm_metrics.py, docs/connector-metrics.md). A step with work never waits on the network. A step
+with nothing scheduled waits, bounded, for a lookup (``build_connector_meta``) or a load (``get_finished``) in
+flight instead of returning at once: the engine would step again at once, thousands of times a second, holding the
+GIL and a core that the loads need. Stores are best effort: a block that does not fit the bounded buffers is dropped
+and counted.
 
 Roles (``kv_role``): a ``kv_producer`` stores and never looks up or loads; a ``kv_consumer`` looks up and loads
 and never stores (nor writes the namespace's config); ``kv_both`` does both. Prefill/decode disaggregation
@@ -49,6 +50,7 @@ from connector.plan import KeyScheme, SchedulerPlanner, StepPlan
 from connector.settings import ConnectorSettings
 from connector.transfer import BlockTransfer
 from connector.vllm_layout import check_layers, resolve_layout
+from connector.vllm_metrics import KVGatePromMetrics
 from contract.keys import KVGroup, RunNaming, naming
 
 if TYPE_CHECKING:
@@ -350,6 +352,17 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return KVGateStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVGatePromMetrics:
+        """The same stats as Prometheus metrics, ``vllm:kvgate_*`` (connector/vllm_metrics.py)."""
+        return KVGatePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.planner is None:

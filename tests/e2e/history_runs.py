@@ -49,6 +49,10 @@ class Faults:
     every_s: tuple[float, float]
     clocks: Clocks | None = None
     """Each start gets a clock of its own (the ``clock`` nemesis)."""
+    coord: Path | None = None
+    """The coordination file to remove now and then (the ``coord`` nemesis)."""
+    coord_losses: int = 0
+    failures: list[str] = field(default_factory=list)
     points: Path | None = None
     """The flags folder of the ``removed`` fault point (tests/e2e/faults/sitecustomize.py) the gateways run with:
     half the kills are then aimed right after a block row's removal commits (counted in ``point_kills``)."""
@@ -66,6 +70,9 @@ class Faults:
     def run(self) -> None:
         while not self.stop.wait(self.rng.uniform(*self.every_s)):
             i = self.rng.randrange(len(self.gateways))
+            if self.coord is not None and self.rng.random() < 0.25:
+                self._lose_coordination(i, self.coord)
+                continue
             if self.points is not None and self.rng.random() < 0.5:
                 self._at_point(self.points)
             self.down.add(i)
@@ -78,6 +85,25 @@ class Faults:
         for i in sorted(self.down):
             self._start(i)
         self.down.clear()
+
+    def _lose_coordination(self, i: int, coord: Path, *, notice_s: float = 30.0) -> None:
+        """Remove the coordination file under the running gateway (and any tool), traffic still flowing: the
+        gateway must stop by itself (it refuses changes and restarts); it is then started again."""
+        gw = self.gateways[i]
+        try:
+            coord.unlink()
+        except FileNotFoundError:
+            return
+        self.coord_losses += 1
+        assert gw.proc is not None
+        try:
+            gw.proc.wait(notice_s)
+        except subprocess.TimeoutExpired:
+            self.failures.append(f"the gateway went on for {notice_s:.0f} s without its coordination file")
+        self.down.add(i)
+        gw.kill9()  # a stop: nothing is left of it (it exited on its own)
+        self._start(i)
+        self.down.discard(i)
 
     def _at_point(self, points: Path) -> None:
         """Arm the point, wait a few seconds for a removal to stop there (the gateway then waits to be killed)."""
@@ -127,7 +153,7 @@ class Tools:
     """Now and then a ``kvgate gc`` or ``kvgate import`` run is killed -9 at a random point (counted in
     ``runs["gc kill -9"]`` and ``runs["import kill -9"]``)."""
     clocks: Clocks | None = None
-    runs: dict[str, int] = field(default_factory=lambda: {"gc": 0, "import": 0, "gc kill -9": 0, "import kill -9": 0})
+    runs: Counter[str] = field(default_factory=lambda: Counter({"gc": 0, "import": 0}))
     failures: list[str] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
 
@@ -158,7 +184,10 @@ class Tools:
                 self.runs[f"{name} kill -9"] += 1
         _, err = proc.communicate(timeout=300)
         if proc.returncode not in (*ok, -9):
-            self.failures.append(f"{name}: {err.decode(errors='replace')[-500:]}")
+            if b"CoordinationLost" in err or b"was removed or replaced" in err:
+                self.runs[f"{name} refused: coordination file removed"] += 1  # it noticed and stopped: right
+            else:
+                self.failures.append(f"{name}: {err.decode(errors='replace')[-500:]}")
 
     def _import(self, env: dict[str, str]) -> None:
         """vLLM fs-tier files for a few keys, imported (copied, create-only) while the gateway writes them too."""
@@ -227,7 +256,8 @@ def run_fs(
     gw = Gateway(root / "data", env=env | (clocks.env() if clocks is not None else {})).start()
     names = workload_keys(keys)
     every = (2.0, 5.0) if "kill9" in nemesis else (1e9, 1e9)
-    faults = Faults([gw], random.Random(seed + 1), every_s=every, clocks=clocks, points=points)
+    coord = gw.data_dir / "kvgate.coord" if "coord" in nemesis else None
+    faults = Faults([gw], random.Random(seed + 1), every_s=every, clocks=clocks, coord=coord, points=points)
     tools = Tools(
         root / "data", root / "vllm-fs", history, names, random.Random(seed + 2), kill_gc="gc" in nemesis, clocks=clocks
     )
@@ -249,7 +279,9 @@ def run_fs(
     counts["gateway kill -9 right after a row removal (fault point)"] = faults.point_kills
     counts["gc kill -9"] = tools.runs["gc kill -9"]
     counts["import kill -9"] = tools.runs["import kill -9"]
+    counts["coordination file removed under the gateway and tools"] = faults.coord_losses
     assert not tools.failures, tools.failures
+    assert not faults.failures, faults.failures
     env = {"KVGATE_DATA_DIR": str(gw.data_dir)}
     assert _cli("gc", "--json", env=env).returncode == 0
     scrub = _cli("scrub", "--json", env=env)  # the corrupt blocks quarantined: a miss from now on
@@ -308,7 +340,9 @@ def run_replicas(
         upstream = int(truth.db_url.rsplit(":", 1)[1].split("/", 1)[0])
         proxy = PgFaultProxy(upstream_port=upstream, seed=seed).start()
         env = {**env, "KVGATE_DB_URL": proxy.url_for(truth.db_url)}
-    clocks = Clocks(random.Random(seed + 5), counts) if "clock" in nemesis else None
+    # within S3's 15-minute signing window: a host further off has every S3 request refused (403), a fault of its
+    # set-up that no protocol can mend, not a race between clocks
+    clocks = Clocks(random.Random(seed + 5), counts, offset_s=10 * 60) if "clock" in nemesis else None
     gateways = [Gateway(root / f"g{i}", env={**env, **SWEEP_UPLOADS}) for i in range(replicas)]
     for g in gateways:
         g.extra_env |= clocks.env() if clocks is not None else {}

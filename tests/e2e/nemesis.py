@@ -8,8 +8,12 @@ kind counted. The gateway kills (``Faults``) and ``kvgate gc`` kills (``Tools``)
   that began after the change ends the exemption;
 - ``pg``: through ``tests/pg_proxy.py`` in front of PostgreSQL, bursts of lost COMMIT replies (the server commits,
   the answer is dropped) and partitions (every connection cut, new ones refused for a second or so);
+- ``coord``: the data directory's coordination file (``kvgate.coord``: key locks, cache epochs) removed under the
+  running gateway and tools: each must notice, refuse its changes (503, or a tool's error) and, the gateway,
+  restart itself (it is started again, as a service manager would), never go on without it;
 - ``clock``: every process started (gateway, ``kvgate gc``, ``kvgate import``) runs with its own clock offset, drawn
-  from ±30 minutes (libfaketime), as on hosts whose clocks disagree: no decision may depend on two of them.
+  from ±30 minutes (±10 for replicas: S3 refuses a request signed 15 minutes off), with libfaketime, as on hosts
+  whose clocks disagree: no decision may depend on two of them.
 """
 
 from __future__ import annotations
@@ -26,10 +30,11 @@ from pathlib import Path
 from tests.e2e.history import History
 from tests.pg_proxy import PgFaultProxy
 
-KINDS = ("kill9", "points", "gc", "rot", "pg", "clock")
+KINDS = ("kill9", "points", "gc", "rot", "pg", "clock", "coord")
 """Fault kinds: gateway kill -9, some of them aimed at a named fault point (``removed``: right after a block row's
 removal commits; filesystem scenario, with ``kill9``), ``kvgate gc`` and ``kvgate import`` kill -9, bit rot in
-block files, PostgreSQL faults, clock offsets per process."""
+block files, PostgreSQL faults, clock offsets per process, the coordination file removed under running processes
+(filesystem scenario)."""
 
 CLOCK_OFFSET_S = 30 * 60
 
@@ -53,7 +58,7 @@ class Clocks:
         if lib is None:
             raise RuntimeError("libfaketime not installed (apt-get install -y faketime)")
         offset = self.rng.randint(-self.offset_s, self.offset_s)
-        self.counts["clock offset (a process started off by up to 30 min)"] += 1
+        self.counts[f"clock offset (a process started off by up to {self.offset_s // 60} min)"] += 1
         return {"LD_PRELOAD": lib, "FAKETIME": f"{offset:+d}", "FAKETIME_DONT_RESET": "1"}
 
 

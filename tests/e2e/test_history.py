@@ -1,6 +1,7 @@
 """The history checker, short (CI), with its nemesis (tests/e2e/nemesis.py): a filesystem gateway killed -9 at
-random points with ``kvgate gc`` (itself killed -9 now and then) and ``kvgate import`` beside it, and its block
-files bit-flipped and truncated behind its back; two replicas over SeaweedFS and PostgreSQL, one killed -9 at random
+random points with ``kvgate gc`` and ``kvgate import`` beside it (each killed -9 now and then), its block files
+bit-flipped and truncated behind its back, its coordination file removed under it, every process on a clock of its
+own; two replicas over SeaweedFS and PostgreSQL, one killed -9 at random
 points and restarted with its start-up reconcile, PostgreSQL behind a fault proxy that loses COMMIT replies and
 partitions. ``python -m benchmarks.history --nemesis all`` runs the same for longer."""
 

@@ -27,11 +27,12 @@ import httpx
 
 from tests.capacity.helpers import block_files, index_rows
 from tests.e2e.history import History, Traffic, Verdict, check, digest_of, final_state, workload_keys
-from tests.e2e.nemesis import KINDS, Clocks, PgFaults, Rot
+from tests.e2e.nemesis import KINDS, Clocks, PgFaults, Rot, S3Faults
 from tests.gateway import REPO, Gateway
 from tests.pg_proxy import PgFaultProxy
 from tests.s3_servers import S3TestServer
 from tests.services import asyncpg_dsn
+from tests.tcp_faults import TcpFaultProxy
 
 FAULTS = REPO / "tests" / "e2e" / "faults"
 
@@ -329,8 +330,8 @@ def run_replicas(
     keys: int = 24,
     nemesis: frozenset[str] = frozenset(KINDS),
 ) -> RunReport:
-    """Replicas with ``env`` over the index and bucket that ``truth`` reads behind their backs; with ``pg`` in
-    ``nemesis`` they reach PostgreSQL through a fault proxy (``tests/e2e/nemesis.py``)."""
+    """Replicas with ``env`` over the index and bucket that ``truth`` reads behind their backs; with ``pg`` and
+    ``s3`` in ``nemesis`` they reach PostgreSQL and S3 through fault proxies (``tests/e2e/nemesis.py``)."""
     began = time.monotonic()
     history = History()
     counts: Counter[str] = Counter()
@@ -340,6 +341,10 @@ def run_replicas(
         upstream = int(truth.db_url.rsplit(":", 1)[1].split("/", 1)[0])
         proxy = PgFaultProxy(upstream_port=upstream, seed=seed).start()
         env = {**env, "KVGATE_DB_URL": proxy.url_for(truth.db_url)}
+    s3_proxy = None
+    if "s3" in nemesis:
+        s3_proxy = TcpFaultProxy(upstream_port=truth.s3.port, seed=seed + 6).start()
+        env = {**env, "KVGATE_BACKEND__ENDPOINT_URL": s3_proxy.url}
     # within S3's 15-minute signing window: a host further off has every S3 request refused (403), a fault of its
     # set-up that no protocol can mend, not a race between clocks
     clocks = Clocks(random.Random(seed + 5), counts, offset_s=10 * 60) if "clock" in nemesis else None
@@ -354,6 +359,9 @@ def run_replicas(
     pg = None if proxy is None else PgFaults(proxy, random.Random(seed + 4), counts)
     if pg is not None:
         threads.append(threading.Thread(target=pg.run))
+    s3 = None if s3_proxy is None else S3Faults(s3_proxy, random.Random(seed + 7), counts)
+    if s3 is not None:
+        threads.append(threading.Thread(target=s3.run))
     try:
         for t in threads:
             t.start()
@@ -362,6 +370,8 @@ def run_replicas(
         faults.stop.set()
         if pg is not None:
             pg.stop.set()
+        if s3 is not None:
+            s3.stop.set()
         for t in threads:
             t.join(300)
     counts["gateway kill -9"] = faults.kills
@@ -380,6 +390,8 @@ def run_replicas(
             g.stop()
         if proxy is not None:
             proxy.stop()
+        if s3_proxy is not None:
+            s3_proxy.stop()
     verdict = check(history, finals[0])
     return RunReport(verdict, history, faults.kills, {}, time.monotonic() - began, counts)
 

@@ -8,6 +8,9 @@ kind counted. The gateway kills (``Faults``) and ``kvgate gc`` kills (``Tools``)
   that began after the change ends the exemption;
 - ``pg``: through ``tests/pg_proxy.py`` in front of PostgreSQL, bursts of lost COMMIT replies (the server commits,
   the answer is dropped) and partitions (every connection cut, new ones refused for a second or so);
+- ``s3``: through ``tests/tcp_faults.py`` in front of the S3-compatible server, bursts of requests cut before or in
+  the middle of their body, of replies lost after the server did the request (an object stored, the gateway not
+  told), and partitions;
 - ``coord``: the data directory's coordination file (``kvgate.coord``: key locks, cache epochs) removed under the
   running gateway and tools: each must notice, refuse its changes (503, or a tool's error) and, the gateway,
   restart itself (it is started again, as a service manager would), never go on without it;
@@ -29,12 +32,13 @@ from pathlib import Path
 
 from tests.e2e.history import History
 from tests.pg_proxy import PgFaultProxy
+from tests.tcp_faults import TcpFaultProxy
 
-KINDS = ("kill9", "points", "gc", "rot", "pg", "clock", "coord")
+KINDS = ("kill9", "points", "gc", "rot", "pg", "s3", "clock", "coord")
 """Fault kinds: gateway kill -9, some of them aimed at a named fault point (``removed``: right after a block row's
 removal commits; filesystem scenario, with ``kill9``), ``kvgate gc`` and ``kvgate import`` kill -9, bit rot in
-block files, PostgreSQL faults, clock offsets per process, the coordination file removed under running processes
-(filesystem scenario)."""
+block files, PostgreSQL faults, S3 network faults, clock offsets per process, the coordination file removed under
+running processes (filesystem scenario)."""
 
 CLOCK_OFFSET_S = 30 * 60
 
@@ -146,3 +150,32 @@ class PgFaults:
         self.proxy.lose_rate = 0.0
         self.proxy.heal()
         self.counts["pg lost COMMIT reply"] = self.proxy.lost
+
+
+@dataclass
+class S3Faults:
+    """Requests cut, replies lost and partitions of the S3-compatible server, through ``proxy``, until stopped."""
+
+    proxy: TcpFaultProxy
+    rng: random.Random
+    counts: Counter[str]
+    every_s: tuple[float, float] = (1.0, 3.0)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        while not self.stop.wait(self.rng.uniform(*self.every_s)):
+            roll = self.rng.random()
+            if roll < 0.4:
+                self.proxy.lose_reply_rate = 0.2
+            elif roll < 0.8:
+                self.proxy.cut_request_rate = 0.1
+            else:
+                self.proxy.cut()
+            self.stop.wait(self.rng.uniform(0.3, 1.5))
+            self.proxy.lose_reply_rate = self.proxy.cut_request_rate = 0.0
+            self.proxy.heal()
+        self.proxy.lose_reply_rate = self.proxy.cut_request_rate = 0.0
+        self.proxy.heal()
+        self.counts["s3 request cut (before or mid-body)"] = self.proxy.cut_requests
+        self.counts["s3 reply lost (request done)"] = self.proxy.lost_replies
+        self.counts["s3 partition"] = self.proxy.partitions

@@ -4,6 +4,7 @@ over the same data directory's coordination file, so they share each key's lock 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 from collections.abc import AsyncIterator, Callable
@@ -92,6 +93,7 @@ async def open_core(
             interval_s=settings.scrub_interval_s,
             delay_s=settings.scrub_delay_s,
         )
+        watch = asyncio.create_task(coordinator.watch()) if on_coordination_lost is not None else None
         try:
             yield Core(
                 store=store,
@@ -105,6 +107,9 @@ async def open_core(
                 scrub=scrub,
             )
         finally:
+            if watch is not None:
+                watch.cancel()
+                await asyncio.gather(watch, return_exceptions=True)
             await scrub.close()
             await capacity.close()
             await versions.close()

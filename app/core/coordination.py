@@ -59,6 +59,8 @@ PATH_CHECK_S = 0.1
 """How often, at most, a cache hit also checks that the file's name still leads to it (a change always does)."""
 _FLOCK = struct.Struct("@hhqqi4x")
 """struct flock on Linux (l_type, l_whence, l_start, l_len, l_pid); l_pid must be 0 for OFD locks."""
+WATCH_S = 1.0
+"""How often a serving process checks its coordination file when nothing else does (``Coordinator.watch``)."""
 POLL_FIRST_S = 0.0005
 POLL_MAX_S = 0.02
 
@@ -177,6 +179,15 @@ class Coordinator:
                 self._on_lost()
         return ok
 
+    async def watch(self, *, every_s: float = WATCH_S) -> None:
+        """Check the file every ``every_s`` until it is found lost (then ``on_lost`` has been called): a process that
+        gets no request and makes no change (one worker of several, idle) still learns of it and restarts, rather
+        than waiting for its next request to find out."""
+        while True:
+            await asyncio.sleep(every_s)
+            if not self.intact(thorough=True):
+                return
+
     def check(self) -> None:
         """CoordinationLost unless ``intact``."""
         if not self.intact(thorough=True):
@@ -204,7 +215,27 @@ class Coordinator:
     # -- locks ------------------------------------------------------------------------------------------------
 
     def _description(self) -> int:
-        return self._spare.pop() if self._spare else os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+        """A spare open file description of this process's file, or a new one of that same file (never of what
+        the name leads to now: after a removal there is nothing there, after a replacement another file, whose
+        locks exclude nobody who shares these epochs): ``/proc/self/fd`` opens the inode this process holds, even
+        unlinked. CoordinationLost (503) where that fails."""
+        if self._spare:
+            return self._spare.pop()
+        try:
+            return os.open(f"/proc/self/fd/{self._fd}", os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            pass
+        try:  # no /proc: by the name, if it still leads to this file
+            fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            fd = -1
+        if fd >= 0:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) == self._identity:
+                return fd
+            os.close(fd)
+        self.check()  # not intact: lost (the worker restarts)
+        raise CoordinationLost(f"{self.path}: no description of it can be opened")
 
     def try_lock(self, offset: int) -> int | None:
         """Lock byte ``offset`` without waiting: the description holding it, or None if another holds it."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -53,6 +54,8 @@ class Faults:
     coord: Path | None = None
     """The coordination file to remove now and then (the ``coord`` nemesis)."""
     coord_losses: int = 0
+    worker_kills: int = 0
+    """Kills of one worker of a ``--workers`` gateway (half the kills when it has several)."""
     failures: list[str] = field(default_factory=list)
     points: Path | None = None
     """The flags folder of the ``removed`` fault point (tests/e2e/faults/sitecustomize.py) the gateways run with:
@@ -74,6 +77,13 @@ class Faults:
             if self.coord is not None and self.rng.random() < 0.25:
                 self._lose_coordination(i, self.coord)
                 continue
+            gw = self.gateways[i]
+            if gw.workers > 1 and self.rng.random() < 0.5:
+                pids = gw.worker_pids()
+                if pids:
+                    os.kill(self.rng.choice(pids), signal.SIGKILL)  # the supervisor starts another
+                    self.worker_kills += 1
+                continue
             if self.points is not None and self.rng.random() < 0.5:
                 self._at_point(self.points)
             self.down.add(i)
@@ -91,12 +101,20 @@ class Faults:
         """Remove the coordination file under the running gateway (and any tool), traffic still flowing: the
         gateway must stop by itself (it refuses changes and restarts); it is then started again."""
         gw = self.gateways[i]
+        before = set(gw.worker_pids())
         try:
             coord.unlink()
         except FileNotFoundError:
             return
         self.coord_losses += 1
         assert gw.proc is not None
+        if gw.workers > 1:  # each worker stops by itself and the supervisor starts another, on the new file
+            deadline = time.monotonic() + notice_s
+            while before & set(gw.worker_pids()) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if before & set(gw.worker_pids()):
+                self.failures.append(f"a worker went on for {notice_s:.0f} s without its coordination file")
+            return
         try:
             gw.proc.wait(notice_s)
         except subprocess.TimeoutExpired:
@@ -254,7 +272,8 @@ def run_fs(
         points.mkdir(exist_ok=True)
         env |= {"PYTHONPATH": f"{FAULTS}{os.pathsep}{REPO}", "KVGATE_TEST_FAULT": f"removed:{points}"}
     clocks = Clocks(random.Random(seed + 5), counts) if "clock" in nemesis else None
-    gw = Gateway(root / "data", env=env | (clocks.env() if clocks is not None else {})).start()
+    processes = 2 if "workers" in nemesis else 1
+    gw = Gateway(root / "data", env=env | (clocks.env() if clocks is not None else {}), workers=processes).start()
     names = workload_keys(keys)
     every = (2.0, 5.0) if "kill9" in nemesis else (1e9, 1e9)
     coord = gw.data_dir / "kvgate.coord" if "coord" in nemesis else None
@@ -281,6 +300,7 @@ def run_fs(
     counts["gc kill -9"] = tools.runs["gc kill -9"]
     counts["import kill -9"] = tools.runs["import kill -9"]
     counts["coordination file removed under the gateway and tools"] = faults.coord_losses
+    counts["one worker of two killed -9"] = faults.worker_kills
     assert not tools.failures, tools.failures
     assert not faults.failures, faults.failures
     env = {"KVGATE_DATA_DIR": str(gw.data_dir)}

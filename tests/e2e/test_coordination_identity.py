@@ -107,3 +107,62 @@ def test_another_data_dir_on_the_same_blocks_and_index_is_refused(tmp_path: Path
         assert ok.returncode == 0, ok.stderr.decode()[-2000:]
     finally:
         gw.stop()
+
+
+def _open_inodes(pid: int) -> set[int]:
+    found = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            found.add(os.stat(fd).st_ino)
+        except OSError:
+            continue
+    return found
+
+
+def test_a_removed_coordination_file_under_workers_is_refused_then_every_worker_restarts(tmp_path: Path) -> None:
+    """``--workers 2``, the file removed and nobody makes it again: a worker that had not locked anything yet opened
+    its next lock by the file's name (ENOENT: a 500, and it went on serving without noticing). Every change is
+    refused (503) until each worker has stopped by itself; those the supervisor starts share the new file."""
+    data = tmp_path / "data"
+    gw = Gateway(data, workers=2).start()
+    blob = random_bytes(4096, 7400)
+    try:
+        old = set(gw.worker_pids())
+        assert len(old) == 2
+        (data / "kvgate.coord").unlink()
+        statuses: set[int] = set()
+        deadline = time.monotonic() + 30
+        i = 0
+        while old & set(gw.worker_pids()) and time.monotonic() < deadline:
+            statuses.add(_call(httpx.put, f"{gw.url}/v1/blocks/{key_for(7400 + i)}", content=blob))
+            i += 1
+        assert not old & set(gw.worker_pids()), "a worker went on with its coordination file removed"
+        assert statuses <= {0, 201, 503}, statuses  # refused or stored (before it noticed): never a 500
+        deadline = time.monotonic() + 60
+        while not gw.all_workers_ready() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        coord = os.stat(data / "kvgate.coord").st_ino
+        assert all(coord in _open_inodes(pid) for pid in gw.worker_pids())  # both on the file that is there now
+        key = key_for(7399)
+        assert httpx.put(f"{gw.url}/v1/blocks/{key}", content=blob, timeout=30).status_code == 201
+        got = httpx.get(f"{gw.url}/v1/blocks/{key}", timeout=30)
+        assert got.status_code == 200 and got.content == blob
+    finally:
+        gw.stop()
+
+
+def test_idle_workers_notice_a_removed_coordination_file_by_themselves(tmp_path: Path) -> None:
+    """No request at all after the removal: each worker checks its file on its own (every second) and restarts,
+    rather than waiting for its next request (after a keep-alive pinned the traffic to the other worker, that may
+    never come)."""
+    data = tmp_path / "data"
+    gw = Gateway(data, workers=2).start()
+    try:
+        old = set(gw.worker_pids())
+        (data / "kvgate.coord").unlink()
+        deadline = time.monotonic() + 30
+        while old & set(gw.worker_pids()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not old & set(gw.worker_pids()), "an idle worker kept its removed coordination file"
+    finally:
+        gw.stop()

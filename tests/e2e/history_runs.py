@@ -101,7 +101,6 @@ class Faults:
         """Remove the coordination file under the running gateway (and any tool), traffic still flowing: the
         gateway must stop by itself (it refuses changes and restarts); it is then started again."""
         gw = self.gateways[i]
-        before = set(gw.worker_pids())
         try:
             coord.unlink()
         except FileNotFoundError:
@@ -110,9 +109,9 @@ class Faults:
         assert gw.proc is not None
         if gw.workers > 1:  # each worker stops by itself and the supervisor starts another, on the new file
             deadline = time.monotonic() + notice_s
-            while before & set(gw.worker_pids()) and time.monotonic() < deadline:
+            while _holding_removed(gw.worker_pids(), coord) and time.monotonic() < deadline:
                 time.sleep(0.1)
-            if before & set(gw.worker_pids()):
+            if _holding_removed(gw.worker_pids(), coord):
                 self.failures.append(f"a worker went on for {notice_s:.0f} s without its coordination file")
             return
         try:
@@ -147,6 +146,23 @@ class Faults:
                 self.failed_starts += 1
                 time.sleep(0.5)
         self.gateways[i].start()
+
+
+def _holding_removed(pids: list[int], path: Path) -> bool:
+    """Whether one of ``pids`` still has the file removed from ``path`` open (its descriptor's link says so)."""
+    removed = f"{path} (deleted)"
+    for pid in pids:
+        try:
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(fd) == removed:
+                    return True
+            except OSError:
+                continue
+    return False
 
 
 def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[bytes]:

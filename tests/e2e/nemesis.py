@@ -37,9 +37,9 @@ from tests.tcp_faults import TcpFaultProxy
 KINDS = ("kill9", "workers", "points", "gc", "rot", "pg", "s3", "clock", "coord")
 """Fault kinds: gateway kill -9 (with ``workers``: a gateway of two ``--workers``, and half the kills of one of
 its workers, which its supervisor replaces), some of them aimed at a named fault point (``removed``: right after a
-block row's removal commits; filesystem scenario, with ``kill9``), ``kvgate gc`` and ``kvgate import`` kill -9, bit rot in
-block files, PostgreSQL faults, S3 network faults, clock offsets per process, the coordination file removed under
-running processes (filesystem scenario)."""
+block row's removal commits; filesystem scenario, with ``kill9``), ``kvgate gc`` and ``kvgate import`` kill -9,
+bit rot in block files, PostgreSQL faults, S3 network faults, clock offsets per process, the coordination file
+removed under running processes (filesystem scenario)."""
 
 CLOCK_OFFSET_S = 30 * 60
 

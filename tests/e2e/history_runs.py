@@ -333,7 +333,8 @@ def run_fs(
     finally:
         gw.stop()
     verdict = check(history, final)
-    return RunReport(verdict, history, faults.kills, tools.runs, time.monotonic() - began, counts)
+    kills = faults.kills + faults.worker_kills
+    return RunReport(verdict, history, kills, tools.runs, time.monotonic() - began, counts)
 
 
 def _stats_agree(url: str, rows: dict[str, int], part_bytes: int, *, settle_s: float = 15.0) -> None:

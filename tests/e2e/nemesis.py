@@ -93,11 +93,14 @@ class Rot:
 
     def run(self) -> None:
         while not self.stop.wait(self.rng.uniform(*self.every_s)):
-            files = sorted(
-                p
-                for p in self.blocks.rglob("*.bin")
-                if not p.name.startswith(".") and "_parts" not in p.relative_to(self.blocks).parts
-            )
+            try:
+                files = sorted(
+                    p
+                    for p in self.blocks.rglob("*.bin")
+                    if not p.name.startswith(".") and "_parts" not in p.relative_to(self.blocks).parts
+                )
+            except FileNotFoundError:  # a directory swept while walked (gc removes empty ones): walk again later
+                continue
             if files:
                 self._corrupt(self.rng.choice(files))
 

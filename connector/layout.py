@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from contract import wire
 from contract.keys import CANONICAL_FORMAT
 
 if TYPE_CHECKING:
@@ -44,13 +43,11 @@ __all__ = [
     "LayoutError",
     "PageFormat",
     "backend_layout",
-    "content_range",
     "head_byte_range",
     "heads_of",
     "layer_views",
     "local_geometry",
     "paged_geometry",
-    "range_header",
     "rank_byte_range",
 ]
 
@@ -124,16 +121,6 @@ def local_geometry(geometry: BlockGeometry, *, tp_size: int) -> BlockGeometry:
         block_size=geometry.block_size,
         itemsize=geometry.itemsize,
     )
-
-
-def content_range(*, start: int, end: int, total: int) -> str:
-    """``Content-Range`` value for the half-open part ``[start, end)`` of a ``total``-byte object (contract.wire)."""
-    return wire.format_content_range(start=start, end=end, total=total)
-
-
-def range_header(*, start: int, end: int) -> str:
-    """``Range`` request value for the half-open byte range ``[start, end)`` (contract.wire)."""
-    return wire.format_range(start=start, end=end)
 
 
 class KVLayout(StrEnum):

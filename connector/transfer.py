@@ -12,7 +12,7 @@ byte-exact. Without CUDA (CPU tensors) the same code runs with no streams: event
 
 Memory: each pool buffer owns a device staging tensor of its size, allocated once here (``staging_bytes``), so the
 side streams allocate nothing per copy. A buffer (and its staging) goes back to its pool only after the event of its
-last copy completed, errors included; one whose copy cannot be fenced stays out (``lost_buffers``).
+last copy completed, errors included; one whose copy cannot be fenced stays out (logged).
 
 TP: a rank's tensors hold only its local heads, so the canonical bytes of all local heads ARE the rank's
 ``connector.layout.rank_byte_range`` of the object; ``heads=`` narrows a copy to a contiguous run of local heads.
@@ -125,8 +125,6 @@ class BlockTransfer:
             for buffer in (*self.store_pool.buffers, *self.load_pool.buffers):
                 buffer.staging = torch.empty(capacity, dtype=torch.uint8, device=self.device)
                 self.staging_bytes += capacity
-        self.lost_buffers = 0
-        """Buffers kept out of their pool because their copy could not be fenced (a device error)."""
         self.waiter = EventWaiter(streams=streams)
         log.info(
             "block transfer: %d+%d host buffers of %d bytes (pinned=%s), %d bytes of device staging",
@@ -213,7 +211,6 @@ class BlockTransfer:
                 fence.record(stream)
                 fence.synchronize()
             except BaseException:
-                self.lost_buffers += 1
                 log.exception("a host buffer stays out of its pool: the copies that use it could not be fenced")
                 return
         buffer.release()

@@ -41,7 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from connector.client import BlockClient, ClientConfig
+from connector.client import BlockClient
 from connector.cost import CostModel, LoadOutcome
 from connector.handoff import expected, producer_params, wants_handoff
 from connector.layout import BackendLayout, layer_views
@@ -197,11 +197,6 @@ def run_shape(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> RunSha
         itemsize=int(first.dtype.itemsize) if first is not None else 1,
         layout=resolve_layout(vllm_config, first),
     )
-
-
-def client_config(extra: dict[str, Any]) -> ClientConfig:
-    """The client's configuration from ``kv_connector_extra_config`` (SettingsError on an unknown key)."""
-    return ConnectorSettings.parse(extra).client_config()
 
 
 def _log_config_failure(future: Any) -> None:

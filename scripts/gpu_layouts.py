@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_harness import FAIL, PASS, SKIP
+from gpu_harness import FAIL, PASS
 
 from connector.transfer import BlockTransfer, KVLayout
 
@@ -36,36 +36,22 @@ def kv_cache_layouts() -> dict[str, tuple[int, ...]]:
     return {member.name: tuple(member.stride_order) for member in KVCacheLayout}
 
 
-def layout_mapping() -> Callable[..., tuple[torch.Tensor, KVLayout]] | None:
-    """The connector's mapping from vLLM's per-layer view to transfer tensors: issue 12's, else the older one."""
-    try:
-        from connector.layout import backend_layout, layer_views  # type: ignore[attr-defined]
+def layout_mapping() -> Callable[..., tuple[torch.Tensor, KVLayout]]:
+    """The connector's mapping from vLLM's per-layer view to transfer tensors (connector/layout.py)."""
+    from connector.layout import backend_layout, layer_views
 
-        def mapped(kv: torch.Tensor, *, name: str, dtype: str, heads: int, block: int, size: int) -> Any:
-            layout = backend_layout(
-                backend="FLASH_ATTN", kv_cache_layout=name, head_size=size, head_size_v=size, kv_cache_dtype=dtype
-            )
-            views, kvl = layer_views(kv, layout=layout, num_kv_heads=heads, block_size=block, head_size=size)
-            return views[0], kvl
+    def mapped(kv: torch.Tensor, *, name: str, dtype: str, heads: int, block: int, size: int) -> Any:
+        layout = backend_layout(
+            backend="FLASH_ATTN", kv_cache_layout=name, head_size=size, head_size_v=size, kv_cache_dtype=dtype
+        )
+        views, kvl = layer_views(kv, layout=layout, num_kv_heads=heads, block_size=block, head_size=size)
+        return views[0], kvl
 
-        return mapped
-    except ImportError:
-        pass
-    try:
-        from connector.vllm import as_layer_tensor
-    except ImportError:
-        return None
-
-    def old(kv: torch.Tensor, *, name: str, dtype: str, heads: int, block: int, size: int) -> Any:
-        return as_layer_tensor(kv, num_kv_heads=heads, block_size=block)
-
-    return old
+    return mapped
 
 
 def layouts(device: torch.device) -> tuple[str, str]:
     mapping = layout_mapping()
-    if mapping is None:
-        return SKIP, "no layout mapping importable (connector.vllm needs vllm; issue 12 moves it to connector.layout)"
     cases = []
     for name, order in kv_cache_layouts().items():
         for heads, block, size, dtype in [(8, 16, 64, "auto"), (16, 16, 64, "auto"), (4, 16, 128, "fp8")]:

@@ -44,7 +44,6 @@ class Reloader(abc.ABC, Generic[T]):
         self.files = tuple(files)
         self.interval_s = interval_s
         """Seconds between two looks at the files' stat; 0: on SIGHUP only."""
-        self.reloads = 0
         self._stamps = self._current()
 
     def _current(self) -> tuple[Stamp, ...]:
@@ -68,7 +67,6 @@ class Reloader(abc.ABC, Generic[T]):
             log.error("%s not reloaded (%s), still using the previous ones: %s", self.what, why, exc)
             return False
         self.install(value)
-        self.reloads += 1
         log.warning("%s reloaded (%s) from %s", self.what, why, ", ".join(str(p) for p in self.files if p))
         return True
 

@@ -51,8 +51,7 @@ from app.storage import BlockStore
 from app.storage.base import BodyChecker, Region
 from app.storage.checksums import algorithm_of
 from contract.keys import BlockKey, InvalidKey, parse_block_key
-from contract.wire import DEFAULT_ALGORITHM, SHA256
-from contract.wire import ByteSpan as ByteSpan  # its home before contract.wire
+from contract.wire import DEFAULT_ALGORITHM, SHA256, ByteSpan
 
 log = logging.getLogger("kvgate.parts")
 

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from app.core.arrivals import RECHECK_S
 from app.core.events import NO_EVENTS, EventSink
 from app.core.memo import NamespaceMemo
-from app.core.parts import ByteSpan, PartAssembler, PartOutcome
+from app.core.parts import PartAssembler, PartOutcome
 from app.core.reads import OpenBlock
 from app.core.versions import Versions
 from app.errors import (
@@ -37,6 +37,7 @@ from contract.keys import (
     config_path,
     parse_namespace,
 )
+from contract.wire import ByteSpan
 
 log = logging.getLogger("kvgate.service")
 

@@ -120,8 +120,6 @@ class Versions:
         self._usage = usage
         self._retire_after_s = retire_after_s
         self._retiring: set[asyncio.Task[None]] = set()
-        self.changing = 0
-        """Changes in flight in this process."""
         self.arrivals = Arrivals()
         """Lookups waiting for a key, woken by its commit here (app/core/arrivals.py)."""
 
@@ -163,13 +161,9 @@ class Versions:
     async def change(self, key: str) -> AsyncIterator[Change]:
         """Hold ``key`` for one change (see the module docstring)."""
         async with self._locks.hold(key) as held:
-            self.changing += 1
             self._cache.drop(key)
             change = Change(self, key)
-            try:
-                yield change
-            finally:
-                self.changing -= 1
+            yield change
         if change.made is not None:
             self._cache.made(change.made, epoch=held.end_epoch)
 

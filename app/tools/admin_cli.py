@@ -180,13 +180,6 @@ async def _gc(data_dir: Path | None, db_url: str | None, stale_parts_s: float, p
 def gc(
     data_dir: Annotated[Path | None, typer.Option(help="data root [env KVGATE_DATA_DIR]")] = None,
     db_url: Annotated[str | None, typer.Option(help="index URL [env KVGATE_DB_URL]")] = None,
-    temp_older_than_s: Annotated[
-        float,
-        typer.Option(
-            hidden=True,
-            help="ignored: a staged file is removed once its writer is gone, which its lock tells, at any age",
-        ),
-    ] = 0.0,
     stale_parts_s: Annotated[
         float, typer.Option(help="drop incomplete multi-part uploads whose oldest part is older than this")
     ] = 3600.0,
@@ -194,7 +187,6 @@ def gc(
 ) -> None:
     """Reconcile the index with the store directly (no gateway needed; safe beside running gateways, which share
     each key's lock through the data directory): roll forward what crashes left, drop dead rows, adopt orphan data."""
-    del temp_older_than_s
     columns = (TextColumn("{task.description:>7}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err_console) as progress:
         report = asyncio.run(_gc(data_dir, db_url, stale_parts_s, progress))

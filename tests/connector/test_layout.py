@@ -13,14 +13,13 @@ import pytest
 from connector import layout
 from connector.layout import (
     BlockGeometry,
-    content_range,
     head_byte_range,
     heads_of,
     local_geometry,
-    range_header,
     rank_byte_range,
 )
 from contract import keys as protocol
+from contract import wire
 
 GEOM = BlockGeometry(num_layers=4, num_kv_heads=8, head_size=128, block_size=16, itemsize=2)
 
@@ -98,14 +97,14 @@ def test_local_geometry() -> None:
 
 def test_headers() -> None:
     start, end = rank_byte_range(GEOM, tp_size=4, rank=1)
-    assert content_range(start=start, end=end, total=GEOM.block_bytes) == "bytes 65536-131071/262144"
-    assert range_header(start=start, end=end) == "bytes=65536-131071"
-    assert content_range(start=0, end=1, total=1) == "bytes 0-0/1"
+    assert wire.format_content_range(start=start, end=end, total=GEOM.block_bytes) == "bytes 65536-131071/262144"
+    assert wire.format_range(start=start, end=end) == "bytes=65536-131071"
+    assert wire.format_content_range(start=0, end=1, total=1) == "bytes 0-0/1"
     for bad in [(5, 5, 10), (-1, 3, 10), (0, 11, 10)]:
         with pytest.raises(ValueError):
-            content_range(start=bad[0], end=bad[1], total=bad[2])
+            wire.format_content_range(start=bad[0], end=bad[1], total=bad[2])
     with pytest.raises(ValueError):
-        range_header(start=3, end=2)
+        wire.format_range(start=3, end=2)
 
 
 # --- per-backend page layouts (connector.layout.backend_layout / layer_views) ----------------------------------

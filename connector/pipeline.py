@@ -62,6 +62,38 @@ class PipelineStats:
     dropped_kept_blocks: int = 0
     """P/D producer blocks dropped all the same: no room came back within ``keep_wait_s`` (also in
     ``dropped_blocks``); their consumer recomputes them."""
+    dropped_budget_blocks: int = 0
+    """Blocks dropped because the client's budget of bytes in flight was full (also in ``dropped_blocks``)."""
+    dropped_buffer_blocks: int = 0
+    """Blocks dropped because no store buffer was free (also in ``dropped_blocks``)."""
+    dropped_full_blocks: int = 0
+    """Blocks the gateway refused as full (507; also in ``dropped_blocks``)."""
+    dropped_requests: int = 0
+    """Store jobs (one request's new blocks of one step) that lost a block for want of room (budget or buffer)."""
+
+
+WORKER_COUNTERS: dict[str, str] = {
+    "stored_blocks": "stored_blocks",
+    "stored_bytes": "client.put_bytes",
+    "loaded_blocks": "loaded_blocks",
+    "loaded_bytes": "client.get_bytes",
+    "store_drops_budget": "dropped_budget_blocks",
+    "store_drops_buffer": "dropped_buffer_blocks",
+    "store_drops_full": "dropped_full_blocks",
+    "store_drops_failed": "failed_blocks",
+    "dropped_store_requests": "dropped_requests",
+    "dropped_handoff_blocks": "dropped_kept_blocks",
+    "handoff_store_waits": "keep_waits",
+    "expired_loads": "expired_loads",
+    "load_failed_blocks": "load_errors",
+    "corrupt_reads": "client.corrupt_reads",
+}
+"""``WorkerPipeline.report`` key -> the count it reports the increments of: a ``PipelineStats`` field, or
+``client.<field>`` of the client's ``ClientStats``. The keys are not the scheduler's (``PlanStats.COUNTERS``)."""
+
+WORKER_GAUGES = ("store_bytes_held", "load_bytes_held")
+"""``WorkerPipeline.report`` keys of the host bytes in use now: store buffers holding gathered blocks until their
+upload ends, load buffers holding read blocks until their scatter ends (pinned on a GPU)."""
 
 
 @dataclass(slots=True)
@@ -104,6 +136,8 @@ class WorkerPipeline:
         self._newest: dict[int, CopyEvent] = {}
         self._done_loads: deque[str] = deque()
         self._outcomes: dict[str, LoadOutcome] = {}
+        self._reported: dict[str, int] = {}
+        self._held: dict[str, int] = {}
         self._loader = BlockLoader(
             client=client,
             naming=naming,
@@ -183,6 +217,31 @@ class WorkerPipeline:
         start, end = rank_byte_range(canonical, tp_size=self.tp_size, rank=self.tp_rank)
         return start, end, canonical.block_bytes
 
+    # -- what the worker reports -----------------------------------------------------------------------------
+
+    def held_bytes(self) -> dict[str, int]:
+        """``WORKER_GAUGES``: the host bytes of the store and load buffers in use now, over every KV group."""
+        store = sum((t.store_pool.size - t.store_pool.available) * t.store_pool.buffer_bytes for t in self.transfers)
+        load = sum((t.load_pool.size - t.load_pool.available) * t.load_pool.buffer_bytes for t in self.transfers)
+        return {"store_bytes_held": store, "load_bytes_held": load}
+
+    def _count(self, field: str) -> int:
+        if field.startswith("client."):
+            return int(getattr(self.client.stats, field.removeprefix("client.")))
+        return int(getattr(self.stats, field))
+
+    def report(self) -> dict[str, int]:
+        """What this rank counted since the last report (``WORKER_COUNTERS``, only those that changed), and the
+        host bytes held now (``WORKER_GAUGES``: each when not 0 or changed since the last report, so the report
+        that follows the last transfer says 0); empty when nothing happened and nothing is held."""
+        now = {key: self._count(field) for key, field in WORKER_COUNTERS.items()}
+        delta = {k: v - self._reported.get(k, 0) for k, v in now.items() if v != self._reported.get(k, 0)}
+        self._reported = now
+        held = self.held_bytes()
+        delta.update({k: v for k, v in held.items() if v or v != self._held.get(k, 0)})
+        self._held = held
+        return delta
+
     # -- stores --------------------------------------------------------------------------------------------
 
     def store(self, job: BlockJob, *, after: Sequence[CopyEvent] | None = None) -> None:
@@ -190,6 +249,7 @@ class WorkerPipeline:
 
         ``after[g]``: the event (``mark()``) of the forward pass that wrote group ``g``'s blocks."""
         pending = self._pending(job.req_id)
+        dropped = False
         for group, transfer in enumerate(self.transfers):
             ids = job.block_ids[group]
             part = self.part_range(transfer)
@@ -202,6 +262,7 @@ class WorkerPipeline:
                     transfer, chunk, nbytes, after=None if after is None else after[group], keep=job.keep
                 )
                 if batch is None:
+                    dropped = True
                     self.stats.dropped_blocks += len(chunk)
                     if job.keep:
                         self.stats.dropped_kept_blocks += len(chunk)
@@ -214,6 +275,8 @@ class WorkerPipeline:
                     upload = self.client.submit(self._upload(batch, keys, metas, part, nbytes))
                     self._uploads.add(upload)
                 upload.add_done_callback(self._upload_done)
+        if dropped:
+            self.stats.dropped_requests += 1
 
     def _stage(
         self, transfer: BlockTransfer, chunk: Sequence[int], nbytes: int, *, after: CopyEvent | None, keep: bool
@@ -238,6 +301,9 @@ class WorkerPipeline:
             if left <= 0 or not uploads:  # nothing in flight would give room back
                 if not fits:
                     self.client.stats.dropped_stores += 1  # as ``client.reserve`` counts it
+                    self.stats.dropped_budget_blocks += len(chunk)
+                else:
+                    self.stats.dropped_buffer_blocks += len(chunk)
                 return None
             self.stats.keep_waits += 1
             concurrent.futures.wait(uploads, timeout=left, return_when=concurrent.futures.FIRST_COMPLETED)
@@ -272,6 +338,7 @@ class WorkerPipeline:
                 ok += 1
             else:  # the gateway is full (507): dropped and counted by the client, not an outage
                 self.stats.dropped_blocks += 1
+                self.stats.dropped_full_blocks += 1
         self.stats.stored_blocks += ok
         return ok
 

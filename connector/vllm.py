@@ -45,7 +45,7 @@ from connector.client import BlockClient
 from connector.cost import CostModel, LoadOutcome
 from connector.handoff import expected, producer_params, wants_handoff
 from connector.layout import BackendLayout, layer_views
-from connector.pipeline import WorkerPipeline
+from connector.pipeline import WORKER_GAUGES, WorkerPipeline
 from connector.plan import KeyScheme, SchedulerPlanner, StepPlan
 from connector.settings import ConnectorSettings
 from connector.transfer import BlockTransfer
@@ -85,25 +85,46 @@ class KVGateWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
         return KVGateWorkerMetadata(merged)
 
 
-GAUGES = frozenset({"bandwidth_mib_s", "prefill_tokens_s"})
-"""Of the stats below, the estimates: an interval keeps the latest; every other key is a count, summed."""
+RANK_GAUGES = frozenset(WORKER_GAUGES)
+"""The workers' gauges (host bytes held), sent per rank: ``{rank: value}``. vLLM calls ``aggregate`` both across
+the TP ranks of a step and across the steps of a logging interval, and cannot say which: merging by rank (a rank's
+newest value wins) is right for both, and the metric is their sum (``reduce``, connector/vllm_metrics.py)."""
+
+GAUGES = frozenset({"bandwidth_mib_s", "prefill_tokens_s"}) | RANK_GAUGES
+"""Of the stats below, the estimates: an interval keeps the latest (per rank for ``RANK_GAUGES``); every other key
+is a count, summed (over steps and over ranks)."""
 
 
 @dataclass
 class KVGateStats(KVConnectorStats):  # type: ignore[misc]
-    """The scheduler's cost-model decisions for vLLM's periodic "KV Transfer metrics" log (connector/plan.py:
-    ``SchedulerPlanner.report``)."""
+    """vLLM's KV transfer stats: the scheduler's cost-model decisions (connector/plan.py: ``SchedulerPlanner.report``)
+    and what each worker rank counted (connector/pipeline.py: ``WorkerPipeline.report``), in vLLM's periodic
+    "KV Transfer metrics" log and as Prometheus metrics. The two roles' keys are disjoint."""
 
     def reset(self) -> None:
         self.data = dict[str, Any]()
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key, value in other.data.items():
-            self.data[key] = value if key in GAUGES else self.data.get(key, 0) + value
+            if key in RANK_GAUGES:  # a new dict: the one in ``self.data`` may be another stats object's too
+                self.data[key] = {**self.data.get(key, {}), **value}
+            elif (
+                key in GAUGES
+                or not isinstance(value, int | float)
+                or not isinstance(self.data.get(key, 0), int | float)
+            ):
+                self.data[key] = value  # an estimate, or what no count is (a newer connector's): the latest
+            else:
+                self.data[key] = self.data.get(key, 0) + value
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return {k: round(v, 3) if isinstance(v, float) else v for k, v in self.data.items()}
+        out: dict[str, int | float] = {}
+        for k, v in self.data.items():
+            v = sum(v.values()) if k in RANK_GAUGES else v
+            if isinstance(v, int | float):  # anything else is a newer connector's: not a number to log
+                out[k] = round(v, 3) if isinstance(v, float) else v
+        return out
 
     def is_empty(self) -> bool:
         return not self.data
@@ -338,11 +359,20 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return KVGateConnectorMetadata(self.planner.build(idle=scheduler_output.total_num_scheduled_tokens == 0))
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """Scheduler side: the cost model's decisions since the last call (vLLM logs them with its own stats)."""
-        if self.planner is None:
+        """Scheduler side: the cost model's decisions since the last call. Worker side (called after each step's
+        ``get_finished``; vLLM sums the ranks' stats with ``aggregate``, then with the scheduler's): what this rank
+        counted since the last call and the host bytes it holds now, keyed by its rank. vLLM logs and exports
+        both (docs/connector-metrics.md)."""
+        if self.planner is not None:
+            report = self.planner.report()
+            return KVGateStats(data=report) if report else None
+        if self.pipeline is None:
             return None
-        report = self.planner.report()
-        return KVGateStats(data=report) if report else None
+        counted = self.pipeline.report()
+        if not counted:
+            return None
+        rank = str(self.shape.rank)
+        return KVGateStats(data={k: {rank: v} if k in RANK_GAUGES else v for k, v in counted.items()})
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:

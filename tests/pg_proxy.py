@@ -13,27 +13,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 import re
-import threading
 
-from tests.gateway import free_port
+from tests.tcp_faults import FaultProxy
 
 _UNTYPED_REQUESTS = {80877103, 80877104}  # SSLRequest, GSSENCRequest: the start-up message still follows
 _READY = b"Z\x00\x00\x00\x05"
 
 
-class PgFaultProxy:
+class PgFaultProxy(FaultProxy):
     """Listens on ``port`` and forwards to PostgreSQL on ``upstream_port``; ``lose_rate`` (0..1) is the share of
     COMMITs whose reply is lost (changed at any time). ``commits`` and ``lost`` count what it saw and did."""
 
+    name = "pg-fault-proxy"
+
     def __init__(self, *, upstream_port: int, seed: int = 0) -> None:
-        self.port = free_port()
-        self.upstream_port = upstream_port
+        super().__init__(upstream_port=upstream_port, seed=seed)
         self.lose_rate = 0.0
         self.down_after_loss = False
         """After a lost reply, the server is unreachable (``down``) until ``heal``: the change's read back fails."""
-        self.down = False
         self.hold_s = 0.0
         """The reply to each COMMIT is held this long before it is passed on (the server has committed meanwhile)."""
         self.lose_only: re.Pattern[bytes] | None = None
@@ -41,45 +39,14 @@ class PgFaultProxy:
         transactions that write a block's row, not a staging intent's)."""
         self.commits = 0
         self.lost = 0
-        self._open: set[asyncio.Task[None]] = set()
-        self._rng = random.Random(seed)
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="pg-fault-proxy", daemon=True)
-        self._server: asyncio.Server | None = None
 
     def url_for(self, url: str) -> str:
         """``url`` (a SQLAlchemy URL of a database on the upstream server) through this proxy."""
         return url.replace(f":{self.upstream_port}/", f":{self.port}/", 1)
 
-    def start(self) -> PgFaultProxy:
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._listen(), self._loop).result(10)
-        return self
-
-    def stop(self) -> None:
-        async def close() -> None:
-            if self._server is not None:
-                self._server.close()
-            for task in asyncio.all_tasks():
-                if task is not asyncio.current_task():
-                    task.cancel()
-
-        with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(close(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-
-    async def _listen(self) -> None:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
-
     def heal(self) -> None:
-        self.down = False
+        super().heal()
         self.hold_s = 0.0
-        """The reply to each COMMIT is held this long before it is passed on (the server has committed meanwhile)."""
-
-    def cut(self) -> None:
-        """A partition: every open connection is cut, and new ones are refused until ``heal``."""
-        self._loop.call_soon_threadsafe(self._went_down)
 
     def _lose_this_one(self) -> bool:
         self.commits += 1
@@ -87,27 +54,6 @@ class PgFaultProxy:
             self.lost += 1
             return True
         return False
-
-    def _went_down(self) -> None:
-        """The reply was lost and the server is now out of reach: every open connection is cut."""
-        self.down = True
-        for task in list(self._open):
-            if task is not asyncio.current_task():
-                task.cancel()
-
-    async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
-        if self.down:
-            client_w.transport.abort()
-            return
-        me = asyncio.current_task()
-        assert me is not None
-        self._open.add(me)
-        try:
-            await self._forward(client_r, client_w)
-        except asyncio.CancelledError:  # cut (``_went_down``): a cancelled handler makes asyncio log a traceback
-            client_w.transport.abort()
-        finally:
-            self._open.discard(me)
 
     async def _forward(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         try:

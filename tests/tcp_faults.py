@@ -19,31 +19,32 @@ import asyncio
 import contextlib
 import random
 import threading
+from typing import Self
 
 from tests.gateway import free_port
 
 PIECE = 64 * 1024
 
 
-class TcpFaultProxy:
+class FaultProxy:
+    """What the fault proxies share: their own event loop on a thread, listening on ``port`` and forwarding to
+    ``upstream_port`` on loopback, partitions (``cut``/``heal``: every open connection cut, new ones refused) and
+    stopping. A subclass forwards one connection (``_forward``) and does its faults there."""
+
+    name = "fault-proxy"
+
     def __init__(self, *, upstream_port: int, seed: int = 0) -> None:
         self.port = free_port()
         self.upstream_port = upstream_port
-        self.cut_request_rate = 0.0
-        self.lose_reply_rate = 0.0
         self.down = False
-        self.cut_requests = self.lost_replies = self.partitions = 0
+        self.partitions = 0
         self._rng = random.Random(seed)
         self._open: set[asyncio.Task[None]] = set()
         self._server: asyncio.Server | None = None
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="tcp-fault-proxy", daemon=True)
+        self._thread = threading.Thread(target=self._loop.run_forever, name=self.name, daemon=True)
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> TcpFaultProxy:
+    def start(self) -> Self:
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self._listen(), self._loop).result(10)
         return self
@@ -64,7 +65,7 @@ class TcpFaultProxy:
     def cut(self) -> None:
         """A partition: every open connection cut, new ones refused until ``heal``."""
         self.partitions += 1
-        self._loop.call_soon_threadsafe(self._cut_all)
+        self._loop.call_soon_threadsafe(self._went_down)
 
     def heal(self) -> None:
         self.down = False
@@ -72,10 +73,12 @@ class TcpFaultProxy:
     async def _listen(self) -> None:
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
 
-    def _cut_all(self) -> None:
+    def _went_down(self) -> None:
+        """The server is out of reach from now on: every open connection is cut (on the proxy's loop)."""
         self.down = True
         for task in list(self._open):
-            task.cancel()
+            if task is not asyncio.current_task():
+                task.cancel()
 
     async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         if self.down:
@@ -86,10 +89,27 @@ class TcpFaultProxy:
         self._open.add(me)
         try:
             await self._forward(client_r, client_w)
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # cut (``_went_down``): a cancelled handler makes asyncio log a traceback
             client_w.transport.abort()
         finally:
             self._open.discard(me)
+
+    async def _forward(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+
+class TcpFaultProxy(FaultProxy):
+    name = "tcp-fault-proxy"
+
+    def __init__(self, *, upstream_port: int, seed: int = 0) -> None:
+        super().__init__(upstream_port=upstream_port, seed=seed)
+        self.cut_request_rate = 0.0
+        self.lose_reply_rate = 0.0
+        self.cut_requests = self.lost_replies = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
     async def _forward(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         try:

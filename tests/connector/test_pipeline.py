@@ -72,6 +72,18 @@ def load(p, j: BlockJob) -> set[int]:  # type: ignore[no-untyped-def]
     return p.load(j).result(timeout=60)
 
 
+def rot(path: Path, *, at_fraction: float, mask: int) -> None:
+    """Bit rot: one byte of the file changed in place (``mask`` xored in), its inode and mtime kept."""
+    st = path.stat()
+    at = int(st.st_size * at_fraction)
+    with path.open("r+b") as f:
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ mask]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.int16), b.view(torch.int16))
 
@@ -206,13 +218,7 @@ def test_corrupt_object_is_a_miss_not_a_load(bc: BlockClient, gateway: Gateway) 
     w = pipeline(bc, src, nm, tp=1, rank=0)
     w.store(job("w", hs, [0, 1, 2, 3]))
     w.wait_uploads(60)
-    path = gateway.data_dir / "blocks" / nm.block(hs[2])
-    raw = bytearray(path.read_bytes())
-    st = path.stat()
-    with path.open("r+b") as f:  # bit rot: the bytes change in place, inode and mtime stay
-        f.seek(len(raw) // 2)
-        f.write(bytes([raw[len(raw) // 2] ^ 0x5A]))
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    rot(gateway.data_dir / "blocks" / nm.block(hs[2]), at_fraction=0.5, mask=0x5A)
     kv = shard(full_kv(dtype=dtype, seed=10), tp=1, rank=0)
     before = {k: v.clone() for k, v in kv.items()}
     r = pipeline(bc, kv, nm, tp=1, rank=0)
@@ -240,14 +246,7 @@ def test_a_rotten_block_is_never_loaded_and_the_scrub_removes_it_within_its_peri
             w = pipeline(client, src, nm, tp=1, rank=0)
             w.store(job("w", hs, [0, 1, 2, 3]))
             w.wait_uploads(60)
-            path = gw.data_dir / "blocks" / nm.block(hs[1])
-            st = path.stat()
-            with path.open("r+b") as f:
-                f.seek(st.st_size // 3)
-                byte = f.read(1)[0]
-                f.seek(st.st_size // 3)
-                f.write(bytes([byte ^ 0x10]))
-            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+            rot(gw.data_dir / "blocks" / nm.block(hs[1]), at_fraction=1 / 3, mask=0x10)
             rotted = time.monotonic()
             kv = shard(full_kv(dtype=dtype, seed=32), tp=1, rank=0)
             before = {k: v.clone() for k, v in kv.items()}

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -32,6 +33,20 @@ def _rot(path: Path, *, at: int) -> None:
         f.seek(at)
         f.write(bytes([byte ^ 0x01]))
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _kvgate(*args: str, data_dir: Path) -> dict[str, Any]:
+    """``kvgate ARGS`` on ``data_dir`` (it must succeed): its JSON report."""
+    out = subprocess.run(
+        [sys.executable, "-m", "app", *args],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "KVGATE_DATA_DIR": str(data_dir)},
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
+    report: dict[str, Any] = json.loads(out.stdout)
+    return report
 
 
 def _metric(text: str, name: str) -> float:
@@ -83,15 +98,7 @@ def test_kvgate_scrub_finds_a_flipped_bit_beside_a_running_gateway(tmp_path: Pat
             assert c.put(f"/v1/blocks/{key}", content=body).status_code == 201
             assert c.put(f"/v1/blocks/{key_for(4)}", content=random_bytes(BLOCK, 4)).status_code == 201
             _rot(gw.data_dir / "blocks" / key, at=0)
-            out = subprocess.run(
-                [sys.executable, "-m", "app", "scrub", "--json"],
-                cwd=REPO,
-                env={**os.environ, "PYTHONPATH": str(REPO), "KVGATE_DATA_DIR": str(gw.data_dir)},
-                capture_output=True,
-                timeout=120,
-                check=True,
-            )
-            report = json.loads(out.stdout)
+            report = _kvgate("scrub", "--json", data_dir=gw.data_dir)
             assert (report["corrupt"], report["blocks"], report["bytes"]) == (1, 1, 2 * BLOCK)
             assert c.get(f"/v1/blocks/{key}").status_code == 404
             assert c.get(f"/v1/blocks/{key_for(4)}").status_code == 200
@@ -121,15 +128,7 @@ def test_a_rotten_file_without_a_row_is_quarantined_not_adopted(tmp_path: Path, 
         _orphan(gw.data_dir, rotten, sound)
         _rot(gw.data_dir / "blocks" / rotten, at=BLOCK // 2)
         if adopter == "import":
-            out = subprocess.run(
-                [sys.executable, "-m", "app", "import", str(gw.data_dir / "blocks")],
-                cwd=REPO,
-                env={**os.environ, "PYTHONPATH": str(REPO), "KVGATE_DATA_DIR": str(gw.data_dir)},
-                capture_output=True,
-                timeout=120,
-                check=True,
-            )
-            report = json.loads(out.stdout)
+            report = _kvgate("import", str(gw.data_dir / "blocks"), data_dir=gw.data_dir)
             assert (report["blocks"], report["corrupt"]) == (1, 1), report
         gw.start()
         with httpx.Client(base_url=gw.url, timeout=30) as c:

@@ -12,10 +12,9 @@ after a COMMIT whose reply is to be lost, where it is read up to its ReadyForQue
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
 
-from tests.tcp_faults import FaultProxy
+from tests.tcp_faults import FaultProxy, pump_both
 
 _UNTYPED_REQUESTS = {80877103, 80877104}  # SSLRequest, GSSENCRequest: the start-up message still follows
 _READY = b"Z\x00\x00\x00\x05"
@@ -104,16 +103,7 @@ class PgFaultProxy(FaultProxy):
                 client_w.write(data)
                 await client_w.drain()
 
-        tasks = [asyncio.create_task(client_to_server()), asyncio.create_task(server_to_client())]
-        try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            for writer in (client_w, server_w):
-                with contextlib.suppress(Exception):
-                    writer.transport.abort()
+        await pump_both(client_to_server(), server_to_client(), cut=(client_w, server_w))
 
     def _matches(self, kind: bytes, body: bytes, prepared: dict[bytes, bool]) -> bool:
         """Whether this message runs a statement whose text matches ``lose_only``: a simple Query, or a Bind of a

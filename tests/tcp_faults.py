@@ -19,11 +19,28 @@ import asyncio
 import contextlib
 import random
 import threading
-from typing import Self
+from collections.abc import Coroutine
+from typing import Any, Self
 
 from tests.gateway import free_port
 
 PIECE = 64 * 1024
+
+
+async def pump_both(
+    there: Coroutine[Any, Any, None], back: Coroutine[Any, Any, None], *, cut: tuple[asyncio.StreamWriter, ...]
+) -> None:
+    """Run both directions of a connection until either ends, then end the other and cut both sockets."""
+    tasks = [asyncio.create_task(there), asyncio.create_task(back)]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for writer in cut:
+            with contextlib.suppress(Exception):
+                writer.transport.abort()
 
 
 class FaultProxy:
@@ -142,13 +159,4 @@ class TcpFaultProxy(FaultProxy):
                 client_w.write(data)
                 await client_w.drain()
 
-        tasks = [asyncio.create_task(client_to_server()), asyncio.create_task(server_to_client())]
-        try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            for writer in (client_w, server_w):
-                with contextlib.suppress(Exception):
-                    writer.transport.abort()
+        await pump_both(client_to_server(), server_to_client(), cut=(client_w, server_w))

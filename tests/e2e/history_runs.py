@@ -28,7 +28,7 @@ import httpx
 
 from tests.capacity.helpers import block_files, index_rows
 from tests.e2e.history import History, Traffic, Verdict, check, digest_of, final_state, workload_keys
-from tests.e2e.nemesis import KINDS, Clocks, PgFaults, Rot, S3Faults
+from tests.e2e.nemesis import KINDS, Clocks, PgFaults, Rot, S3Faults, S3Rot
 from tests.gateway import REPO, Gateway
 from tests.pg_proxy import PgFaultProxy
 from tests.s3_servers import S3TestServer
@@ -373,6 +373,7 @@ def run_replicas(
     history = History()
     counts: Counter[str] = Counter()
     root.mkdir(parents=True, exist_ok=True)
+    direct = dict(env)  # a tool's: straight to PostgreSQL and S3
     proxy = None
     if "pg" in nemesis:
         upstream = int(truth.db_url.rsplit(":", 1)[1].split("/", 1)[0])
@@ -399,6 +400,9 @@ def run_replicas(
     s3 = None if s3_proxy is None else S3Faults(s3_proxy, random.Random(seed + 7), counts)
     if s3 is not None:
         threads.append(threading.Thread(target=s3.run))
+    rot = S3Rot(truth.s3, truth.bucket, truth.prefix, history, random.Random(seed + 8), counts)
+    if "rot" in nemesis:
+        threads.append(threading.Thread(target=rot.run))
     try:
         for t in threads:
             t.start()
@@ -409,10 +413,13 @@ def run_replicas(
             pg.stop.set()
         if s3 is not None:
             s3.stop.set()
+        rot.stop.set()
         for t in threads:
             t.join(300)
     counts["gateway kill -9"] = faults.kills
     counts["gateway start failed, retried"] = faults.failed_starts
+    scrub = _cli("scrub", "--json", env=direct)  # the corrupt objects removed with their rows: a miss from now on
+    assert scrub.returncode == 0, scrub.stderr.decode(errors="replace")[-500:]
     try:
         finals = [final_state(g.url, names) for g in gateways]
         assert all(f == finals[0] for f in finals), "replicas answer differently"

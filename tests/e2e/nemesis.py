@@ -2,10 +2,11 @@
 kind counted. The gateway kills (``Faults``) and ``kvgate gc`` kills (``Tools``) live in ``history_runs``; here:
 
 - ``rot``: a stored block file has a bit flipped or is truncated in place, its mtime put back (as bit rot leaves a
-  file: its stamp still the row's). The key is marked corrupted in the history: from then on it may be a miss, but
-  a body served under an ETag must still be that ETag's (a 200 whose bytes do not match its ETag is counted as
-  detected by the client; a body matching an ETag nobody wrote is a problem); an acknowledged write of the key
-  that began after the change ends the exemption;
+  file: its stamp still the row's); for replicas, a stored S3 object rewritten so, its metadata kept. The key is
+  marked corrupted in the history: from then on it may be a miss, but a body served under an ETag must still be
+  that ETag's (a 200 whose bytes do not match its ETag is counted as detected by the client; a body matching an
+  ETag nobody wrote is a problem); an acknowledged write of the key that began after the change ends the
+  exemption;
 - ``pg``: through ``tests/pg_proxy.py`` in front of PostgreSQL, bursts of lost COMMIT replies (the server commits,
   the answer is dropped) and partitions (every connection cut, new ones refused for a second or so);
 - ``s3``: through ``tests/tcp_faults.py`` in front of the S3-compatible server, bursts of requests cut before or in
@@ -21,6 +22,7 @@ kind counted. The gateway kills (``Faults``) and ``kvgate gc`` kills (``Tools``)
 
 from __future__ import annotations
 
+import asyncio
 import glob
 import os
 import random
@@ -32,6 +34,7 @@ from pathlib import Path
 
 from tests.e2e.history import History
 from tests.pg_proxy import PgFaultProxy
+from tests.s3_servers import S3TestServer
 from tests.tcp_faults import TcpFaultProxy
 
 KINDS = ("kill9", "workers", "points", "gc", "rot", "pg", "s3", "clock", "coord")
@@ -183,3 +186,52 @@ class S3Faults:
         self.counts["s3 request cut (before or mid-body)"] = self.proxy.cut_requests
         self.counts["s3 reply lost (request done)"] = self.proxy.lost_replies
         self.counts["s3 partition"] = self.proxy.partitions
+
+
+@dataclass
+class S3Rot:
+    """Bit flips and truncations of stored block objects, at random, until stopped: an object is read, changed and
+    written back under its own name with its own metadata (the gateway's recorded checksum), behind the gateways'
+    backs. Marked in the history as ``Rot`` marks files."""
+
+    s3: S3TestServer
+    bucket: str
+    prefix: str
+    history: History
+    rng: random.Random
+    counts: Counter[str]
+    every_s: tuple[float, float] = (2.0, 6.0)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        while not self.stop.wait(self.rng.uniform(*self.every_s)):
+            asyncio.run(self._once())
+
+    async def _once(self) -> None:
+        async with self.s3.client() as s3:
+            listed = await s3.list_objects_v2(Bucket=self.bucket, Prefix=f"{self.prefix}/")
+            names = sorted(
+                o["Key"] for o in listed.get("Contents", []) if ".bin.v" in o["Key"] and "_parts" not in o["Key"]
+            )
+            if not names:
+                return
+            name = self.rng.choice(names)
+            key = name[len(self.prefix) + 1 : name.rindex(".v")]
+            span = self.history.corrupt(key)  # before the bytes change: a read that sees them comes after
+            try:
+                got = await s3.get_object(Bucket=self.bucket, Key=name)
+                data = bytearray(await got["Body"].read())
+                if not data:
+                    return
+                if self.rng.random() < 0.6:
+                    data[self.rng.randrange(len(data))] ^= 1 << self.rng.randrange(8)
+                    kind = "S3 object bit flip"
+                else:
+                    del data[self.rng.randrange(len(data)) :]
+                    kind = "S3 object truncation"
+                await s3.put_object(Bucket=self.bucket, Key=name, Body=bytes(data), Metadata=got.get("Metadata", {}))
+            except Exception:
+                return  # removed or replaced meanwhile
+            finally:
+                span[1] = time.monotonic()
+            self.counts[kind] += 1

@@ -3,7 +3,8 @@ random points with ``kvgate gc`` and ``kvgate import`` beside it (each killed -9
 bit-flipped and truncated behind its back, its coordination file removed under it, every process on a clock of its
 own; two replicas over SeaweedFS and PostgreSQL, one killed -9 at random
 points and restarted with its start-up reconcile, PostgreSQL behind a fault proxy that loses COMMIT replies and
-partitions, SeaweedFS behind one that cuts requests, loses replies and partitions. ``python -m benchmarks.history
+partitions, SeaweedFS behind one that cuts requests, loses replies and partitions, its objects rotted behind
+the gateways' backs. ``python -m benchmarks.history
 --nemesis all`` runs the same for longer."""
 
 from __future__ import annotations

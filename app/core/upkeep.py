@@ -193,10 +193,7 @@ class Upkeep:
             log.warning("repair: no data for key=%s, row dropped", key.path)
             return Settled.DROPPED
         except CorruptData as exc:  # neither the row's bytes nor those sealed: nothing vouches for them
-            if await self._quarantine(key, exc):
-                await change.remove(expect=row.stamp, data=False)
-                return Settled.CORRUPT
-            return await self._settle(change, key)
+            return await self._condemn_found(change, key, row, stamp=exc.stamp, why=str(exc))
         if (found.size, found.digest) == (row.size, row.digest):
             # the row's bytes under another stamp (copied back, touched): keep them, with a stamp of ours
             claimed = found if store.issued(found.stamp) else await store.claim(key.path, algorithm=algorithm)
@@ -208,13 +205,20 @@ class Upkeep:
             await change.record(key, found, expect=row.stamp)
             log.warning("recovery: the row's version is gone, kept the version on disk key=%s", key.path)
             return Settled.RECORDED
-        # the bytes found, and only them, are moved aside before the row goes: a crash in between leaves a row
-        # without data (a miss), never corrupt bytes without a row for recovery to adopt under a fresh checksum
-        log.error("corrupt block key=%s: stored %s, row %s; quarantined", key.path, found.digest, row.digest)
-        if await store.quarantine(key.path, stamp=found.stamp):
+        why = f"stored {found.digest}, row {row.digest}"
+        return await self._condemn_found(change, key, row, stamp=found.stamp, why=why)
+
+    async def _condemn_found(
+        self, change: Change, key: BlockKey, row: BlockRecord, *, stamp: str | None, why: str
+    ) -> Settled:
+        """The bytes found under the key (version ``stamp``), and only them, are moved aside before the row goes: a
+        crash in between leaves a row without data (a miss), never corrupt bytes without a row for recovery to adopt
+        under a fresh checksum. Decided again if they changed since they were read."""
+        log.error("corrupt block key=%s: %s; quarantined", key.path, why)
+        if await self._store.quarantine(key.path, stamp=stamp):
             await change.remove(expect=row.stamp, data=False)
             return Settled.CORRUPT
-        return await self._settle(change, key)  # changed since it was read: decided again
+        return await self._settle(change, key)
 
     async def verify(self, key: BlockKey, *, pace: Callable[[int], Awaitable[None]]) -> tuple[Settled, int]:
         """Read the version the key's row names back, hashed in the row's algorithm (the scrub: app/core/scrub.py),

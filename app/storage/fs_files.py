@@ -40,6 +40,7 @@ from typing import TypeVar
 from app.errors import BackendUnavailable, CorruptData, InsufficientStorage, SizeMismatch
 from app.storage.base import BodyChecker, ObjectInfo, Version
 from app.threads import run_sync
+from contract.wire import Checksum, parse_checksum_token
 
 TEMP_PREFIX = ".kvgate-tmp-"
 QUARANTINE_PREFIX = ".kvgate-corrupt-"
@@ -118,20 +119,28 @@ def _attribute(target: int | str | Path) -> str:
 
 def read_stamp(target: int | str | Path, st: os.stat_result) -> str:
     """The stamp of the file open as ``target`` (a descriptor, or a path), whose stat is ``st``."""
-    value = _attribute(target)
-    if value:
-        stamp = value.partition(" ")[0]
-        vid, sep, mtime = stamp.partition(".")
-        if sep and len(vid) == 32 and mtime == str(st.st_mtime_ns):
-            return stamp
+    return _stamp_in(_attribute(target), st)
+
+
+def _stamp_in(value: str, st: os.stat_result) -> str:
+    """The stamp an attribute ``value`` gives a file whose stat is ``st``."""
+    stamp = value.partition(" ")[0]
+    vid, sep, mtime = stamp.partition(".")
+    if sep and len(vid) == 32 and mtime == str(st.st_mtime_ns):
+        return stamp
     return f"{st.st_ino}:{st.st_mtime_ns}"
 
 
-def sealed_digest(target: int | str | Path) -> str | None:
-    """The checksum the file open as ``target`` had when this store sealed it (its mtime need not match any
-    more: a touched file is still judged by its bytes); None for a file sealed without one, or never sealed."""
-    stamp, _, digest = _attribute(target).partition(" ")
-    return (digest or None) if len(stamp.partition(".")[0]) == 32 else None
+def _sealed_in(value: str) -> Checksum | None:
+    """The checksum an attribute ``value`` says the file had when this store sealed it (its mtime need not match
+    any more: a touched file is still judged by its bytes); None if sealed without one, or never sealed."""
+    stamp, _, digest = value.partition(" ")
+    if len(stamp.partition(".")[0]) != 32 or not digest:
+        return None
+    try:
+        return parse_checksum_token(digest)
+    except ValueError:
+        return None  # not ours to read: as if sealed without one
 
 
 def seal_stamp(fd: int, *, vid: str, digest: str | None) -> str:
@@ -403,9 +412,11 @@ def restamp_file(path: Path, stamp: str, fsync: bool) -> str | None:
     except (FileNotFoundError, NotADirectoryError):
         return None
     try:
-        if read_stamp(fd, os.fstat(fd)) != stamp:
+        value = _attribute(fd)
+        if _stamp_in(value, os.fstat(fd)) != stamp:
             return None
-        new = seal_stamp(fd, vid=new_id(), digest=sealed_digest(fd))
+        sealed = _sealed_in(value)
+        new = seal_stamp(fd, vid=new_id(), digest=None if sealed is None else sealed.token)
         if fsync:
             os.fsync(fd)
         return new
@@ -468,10 +479,10 @@ def hash_file(path: Path, chunk: int, claim: bool, fsync: bool, algorithm: str) 
             checker.update(data)
             pos += len(data)
         meta = checker.finish()
-        sealed = sealed_digest(fd)
-        stamp = read_stamp(fd, st)
-        if sealed is not None and _same_kind(sealed, meta.digest) and sealed != meta.digest:
-            raise CorruptData(f"bytes are {meta.digest}, sealed {sealed}", stamp=stamp)
+        value = _attribute(fd)
+        stamp, sealed = _stamp_in(value, st), _sealed_in(value)
+        if sealed is not None and sealed.algorithm == algorithm and sealed.token != meta.digest:
+            raise CorruptData(f"bytes are {meta.digest}, sealed {sealed.token}", stamp=stamp)
         if claim and id_of(stamp) is None and os.fstat(fd).st_mtime_ns == st.st_mtime_ns:
             try:
                 stamp = seal_stamp(fd, vid=new_id(), digest=meta.digest)
@@ -482,11 +493,6 @@ def hash_file(path: Path, chunk: int, claim: bool, fsync: bool, algorithm: str) 
         return dataclasses.replace(meta, stamp=stamp)
     finally:
         os.close(fd)
-
-
-def _same_kind(a: str, b: str) -> bool:
-    """Whether two checksum tokens are of one algorithm (``crc64nvme:<hex>``, or a sha256's bare hex)."""
-    return a.partition(":")[0] == b.partition(":")[0] if ":" in a or ":" in b else True
 
 
 def walk_files(root: Path, prefix: str) -> list[ObjectInfo]:

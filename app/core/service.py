@@ -270,17 +270,21 @@ class BlockService:
 
     async def _check_layout(self, key: BlockKey, size: int) -> None:
         """422 if the namespace's recorded layout gives its blocks another byte size."""
-        layouts = self._layouts
-        if not layouts.known(key.namespace):  # a config stored in another process is found (app/core/memo.py)
-            record = await self._index.get_namespace(key.namespace)
-            found = record.fields.get("block_bytes") if record is not None else None
-            # 0: a config that records no block size (for good); None: no config (yet)
-            layouts.put(key.namespace, found if isinstance(found, int) else (None if record is None else 0))
-        expected = layouts.get(key.namespace)
+        # a config stored in another process is found (app/core/memo.py)
+        expected = await self._layouts.fetch(key.namespace, self._recorded_block_bytes)
         if expected and size != expected:
             raise LayoutMismatch(
                 f"namespace {key.namespace!r} records blocks of {expected} bytes (block_bytes); this one has {size}"
             )
+
+    async def _recorded_block_bytes(self, namespace: str) -> int | None:
+        """The block size the namespace's config records; 0: a config that records none (for good); None: no config
+        (yet)."""
+        record = await self._index.get_namespace(namespace)
+        if record is None:
+            return None
+        found = record.fields.get("block_bytes")
+        return found if isinstance(found, int) else 0
 
     def forget_layout(self, namespace: str) -> None:
         """A namespace's config was removed (purge): read its layout again next time."""

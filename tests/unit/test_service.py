@@ -160,3 +160,29 @@ async def test_reconcile_checks_a_row_in_its_own_algorithm(tmp_path: Path) -> No
         assert (await gw.client.get(f"/v1/blocks/{key_for(3)}")).status_code == 404
         part = await gw.client.get(f"/v1/blocks/{key_for(2)}", headers={"Range": "bytes=10-2999"})
         assert part.content == plain[10:3000] and part.headers["x-kvgate-range-checksum"] == crc_header(plain[10:3000])
+
+
+async def test_puts_that_come_together_make_one_layout_lookup(gw: Gateway) -> None:
+    """The layout check's lookup of a namespace without a config, shared by the PUTs that need it at once (each
+    one's own lookup opened an overflow connection of the async engine's pool past the fifth)."""
+    index = gw.service._index
+    real = index.get_namespace
+    asked: list[str] = []
+
+    async def counting(namespace: str) -> object:
+        asked.append(namespace)
+        await asyncio.sleep(0.05)  # a lookup that takes a moment: every PUT below comes meanwhile
+        return await real(namespace)
+
+    index.get_namespace = counting  # type: ignore[method-assign]
+    try:
+        bodies = [random_bytes(64, i) for i in range(16)]
+        got = await asyncio.gather(
+            *(gw.client.put(f"/v1/blocks/{key_for(100 + i)}", content=bodies[i]) for i in range(16))
+        )
+    finally:
+        index.get_namespace = real  # type: ignore[method-assign]
+    assert [r.status_code for r in got] == [201] * 16
+    assert asked == [TEST_NS]
+    for i in range(16):
+        assert (await gw.client.get(f"/v1/blocks/{key_for(100 + i)}")).content == bodies[i]

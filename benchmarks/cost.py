@@ -13,14 +13,14 @@ body is checked against the sha256 of what was PUT), driven at the given concurr
 (nginx's WebDAV never does: kvgate runs with ``KVGATE_BACKEND__FSYNC=false``; its index commits stay durable).
 nginx runs one worker, kvgate one process (unless ``--workers``).
 
-**The page cache is primed before each PUT phase** (``--no-prime``: not): the client writes and unlinks a scratch
-file as large as the phase's bodies on the system's filesystem, so that every server's writes land in pages the
-kernel has just freed. On a VM whose freed memory goes back to the host (virtio-balloon free page reporting, as
-here), a write that grows the page cache into memory the host took back costs several times one into pages it
-still backs (2 MiB into a new file: 5-8 ms of kernel CPU against 0.8-2.4 ms right after an unlink here), so
-without the primer whichever server happens to grow the cache pays that (nginx's PUT 2 MiB ranged 2.8-11.1 ms over
-three rounds of one run). A storage node's page cache is full in steady state, where each write takes a page
-reclaim has just freed: the primed figure is that one.
+**The page cache is not primed** (``--prime``: it is, before each PUT phase: the client writes and unlinks a
+scratch file as large as the phase's bodies, so that every server's writes land in pages the kernel has just freed).
+On a VM whose freed memory goes back to the host (virtio-balloon free page reporting, as here), a write that grows
+the page cache into memory the host took back costs several times one into pages it still backs, and the cost
+moves with the memory's state: whichever server happens to grow the cache pays it. The unprimed figure is what a
+user sees on such a VM (cloud VMs are where gateways run); the primed one is a storage node whose cache is full.
+Beside the CPU, the report gives the server's minor page faults per request (memory new to the process, touched for
+the first time) and the kernel's share of its CPU.
 
 Each round runs every system in turn (the order rotates), each phase on fresh keys; the report gives each cell's
 median over the rounds with its lowest and highest, and the kvgate/nginx ratio taken round by round (the same
@@ -71,6 +71,21 @@ def cpu_seconds(pids: list[int]) -> float:
     return total
 
 
+def faults_and_system(pids: list[int]) -> tuple[int, float]:
+    """Minor page faults so far (memory new to the process touched for the first time: each one a page the kernel
+    had to find, zero and map) and system CPU seconds, over these processes and all their threads."""
+    faults, system = 0, 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        faults += int(fields[7])  # minflt (field 10 of stat; 8 after the command)
+        system += int(fields[12]) / tick  # stime
+    return faults, system
+
+
 def process_tree(pid: int) -> list[int]:
     """``pid`` and its descendants (a supervisor and its workers)."""
     out = [pid]
@@ -102,22 +117,39 @@ class Cell:
     """One (system, op, size) over the rounds."""
 
     cpu_ms: list[float] = field(default_factory=list)
+    faults: list[float] = field(default_factory=list)
+    """Minor page faults per request."""
+    system: list[float] = field(default_factory=list)
+    """The kernel's share of the CPU time."""
     req_s: list[float] = field(default_factory=list)
     mb_s: list[float] = field(default_factory=list)
     ratio: list[float] = field(default_factory=list)
     """CPU per request against the reference system of the same round."""
 
 
-async def run_phase(runner: Runner, op: str, n: int, pids: list[int]) -> tuple[OpStats, float]:
+@dataclass
+class Phase:
+    stats: OpStats
+    cpu_ms: float
+    """Server CPU per request."""
+    faults: float
+    """Server minor page faults per request."""
+    system: float
+    """The kernel's share of the server's CPU."""
+
+
+async def run_phase(runner: Runner, op: str, n: int, pids: list[int]) -> Phase:
     stats = {op: OpStats(op=op)}
-    before = cpu_seconds(pids)
+    before, (faults0, sys0) = cpu_seconds(pids), faults_and_system(pids)
     await runner.phase(runner.jobs_for(op, n), n, stats, lambda _n: None)
     used = cpu_seconds(pids) - before
+    faults1, sys1 = faults_and_system(pids)
     s = stats[op]
     if s.errors or s.verify_failures or s.misses:
         raise RuntimeError(f"{op}: {s.errors} errors, {s.verify_failures} wrong bodies, {s.misses} misses: "
                            f"{runner.first_errors}")  # fmt: skip
-    return s, 1000 * used / max(1, s.requests)
+    n_req = max(1, s.requests)
+    return Phase(s, 1000 * used / n_req, (faults1 - faults0) / n_req, (sys1 - sys0) / used if used > 0 else 0.0)
 
 
 def prime_page_cache(root: Path, *, nbytes: int, piece: int = 4 * MiB) -> None:
@@ -144,15 +176,15 @@ async def run_system(
     n: int,
     heads: int,
     ops: str = "put,get,head",
-    prime: bool = True,
-) -> dict[str, tuple[OpStats, float]]:
+    prime: bool = False,
+) -> dict[str, Phase]:
     cfg = BenchConfig(
         url=system.url, target=system.target, concurrency=concurrency, block_size=size, count=n,  # type: ignore[arg-type]
         phases="put,get,head", seed=seed,
     )  # fmt: skip
     client = AiohttpClient(base_url=system.url, concurrency=concurrency, timeout_s=120.0)
     runner = Runner(cfg, client)
-    out: dict[str, tuple[OpStats, float]] = {}
+    out: dict[str, Phase] = {}
     try:
         pids = system.pids()
         for op, count in (("put", n), ("get", n), ("head", heads)):
@@ -222,7 +254,7 @@ def main() -> None:
     ap.add_argument(
         "--fresh-dirs", action="store_true", help="do not make the keys' directories beforehand (PUTs make them)"
     )
-    ap.add_argument("--no-prime", action="store_true", help="do not prime the page cache before each PUT phase")
+    ap.add_argument("--prime", action="store_true", help="prime the page cache before each PUT phase")
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args()
 
@@ -263,7 +295,7 @@ def main() -> None:
             for size in args.sizes:
                 n = max(16, int(COUNTS.get(size, 300) * args.scale))
                 heads = int(HEADS * args.scale) if size == min(args.sizes) else 0
-                got: dict[str, dict[str, tuple[OpStats, float]]] = {}
+                got: dict[str, dict[str, Phase]] = {}
                 for s in order:
                     seed = 1000 * rnd + size % 997
                     print(f"  round {rnd + 1}/{args.rounds} {s.name:>18} {size // KiB:>5} KiB ...", flush=True)
@@ -276,17 +308,19 @@ def main() -> None:
                             n=n,
                             heads=heads,
                             ops=args.ops,
-                            prime=not args.no_prime,
+                            prime=args.prime,
                         )
                     )
                 ref = systems[0].name
                 for name, ops in got.items():
-                    for op, (stats, cpu_ms) in ops.items():
+                    for op, phase in ops.items():
                         cell = cells.setdefault((name, op, size), Cell())
-                        cell.cpu_ms.append(cpu_ms)
-                        cell.req_s.append(stats.req_s)
-                        cell.mb_s.append(stats.mb_s)
-                        cell.ratio.append(cpu_ms / got[ref][op][1])
+                        cell.cpu_ms.append(phase.cpu_ms)
+                        cell.faults.append(phase.faults)
+                        cell.system.append(phase.system)
+                        cell.req_s.append(phase.stats.req_s)
+                        cell.mb_s.append(phase.stats.mb_s)
+                        cell.ratio.append(phase.cpu_ms / got[ref][op].cpu_ms)
             loads.append(load_average())
     finally:
         for s in reversed(systems):
@@ -306,7 +340,7 @@ def report(
         f"\nserver CPU per request, ms: median (lowest-highest) of {args.rounds} rounds; concurrency "
         f"{args.concurrency}; {os.cpu_count()} cores shared by client and servers; load average (1, 5, 15 min) "
         f"at each round's end: {' | '.join(loads)}; page cache "
-        + ("not primed" if args.no_prime else "primed before each PUT phase")
+        + ("primed before each PUT phase" if args.prime else "not primed")
     )
     rows = [(op, size) for size in args.sizes for op in ("put", "get", "head") if (ref, op, size) in cells]
     head = (
@@ -330,6 +364,21 @@ def report(
     for op, size in rows:
         label = "HEAD" if op == "head" else f"{op.upper()} {size // KiB} KiB"
         print(f"{label:<14}" + "".join(f"{fmt_cell(cells[(s, op, size)].req_s, '.0f'):>26}" for s in systems))
+    print("\nthroughput, MB/s (median, lowest-highest):")
+    print(f"{'request':<14}" + "".join(f"{s:>26}" for s in systems))
+    for op, size in rows:
+        if op != "head":
+            label = f"{op.upper()} {size // KiB} KiB"
+            print(f"{label:<14}" + "".join(f"{fmt_cell(cells[(s, op, size)].mb_s, '.0f'):>26}" for s in systems))
+    print("\nserver minor page faults per request (new memory touched), and the kernel's share of its CPU:")
+    print(f"{'request':<14}" + "".join(f"{s:>26}" for s in systems))
+    for op, size in rows:
+        label = "HEAD" if op == "head" else f"{op.upper()} {size // KiB} KiB"
+        line = f"{label:<14}"
+        for s in systems:
+            c = cells[(s, op, size)]
+            line += f"{statistics.median(c.faults):>14.1f} / {100 * statistics.median(c.system):>6.0f}% sys"
+        print(line)
     if args.json:
         out = {
             "command": " ".join(["python -m benchmarks.cost", *sys.argv[1:]]),

@@ -17,6 +17,13 @@ gateways write: a key written after the snapshot is either left alone or found a
   name; anything else is left alone and logged;
 - incomplete multi-part uploads with no part for ``stale_parts_s`` are dropped (rows, then data), and so is part
   data that no row describes.
+
+One key's failure to reach the index (``IndexUnavailable``: a refused connection, a COMMIT whose reply was lost) or
+the store (``BackendUnavailable``) defers that key and nothing else: it is left as it is, counted in ``deferred``
+and logged, for the next reconcile (``kvgate gc``, the next start) to look at afresh, which is safe since each key's
+decision is made again from what it finds. A whole reconcile stopped by one lost reply began again from the listing
+at the next start-up try, and under a link that loses one reply in a few hundred never finished. The snapshot and
+the listing themselves still fail the whole (nothing to decide from).
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from typing import Any
 from app.core.parts import PARTS_PREFIX
 from app.core.upkeep import Settled, Upkeep
 from app.core.versions import STAGED_MAX_AGE_S
-from app.errors import CorruptData
+from app.errors import BackendUnavailable, CorruptData, IndexUnavailable
 from app.index import Index
 from app.index.staging import PART
 from app.storage import BlockStore, ObjectInfo
@@ -59,6 +66,8 @@ class ReconcileReport:
     part_dirs_removed: int = 0
     stale_versions_removed: int = 0
     corrupt_removed: int = 0
+    deferred: int = 0
+    """Keys left as they were for the next reconcile: the index or the store failed on them (logged)."""
     left_alone: list[str] = field(default_factory=list)
     blocks: int = 0
     bytes: int = 0
@@ -93,14 +102,24 @@ async def _adopt_config(store: BlockStore, index: Index, key: str, known: set[st
     return True
 
 
-async def _gather(limit: int, jobs: list[Coroutine[Any, Any, None]]) -> None:
+async def _gather(limit: int, jobs: list[Coroutine[Any, Any, None]], report: ReconcileReport) -> None:
     sem = asyncio.Semaphore(limit)
 
     async def one(job: Coroutine[Any, Any, None]) -> None:
         async with sem:
-            await job
+            await _deferring(job, report)
 
     await asyncio.gather(*(one(j) for j in jobs))
+
+
+async def _deferring(job: Coroutine[Any, Any, Any], report: ReconcileReport) -> Any:
+    """``job`` (one key's step), or None with the key deferred if the index or the store failed on it."""
+    try:
+        return await job
+    except (IndexUnavailable, BackendUnavailable) as exc:
+        report.deferred += 1
+        log.warning("reconcile: deferred a key to the next reconcile: %s: %s", type(exc).__name__, exc)
+        return None
 
 
 async def reconcile(
@@ -118,7 +137,7 @@ async def reconcile(
     note = progress or (lambda _phase, _done, _total: None)
 
     for leftover in await store.leftovers():
-        outcome = await upkeep.settle_leftover(leftover)
+        outcome = await _deferring(upkeep.settle_leftover(leftover), report)
         report.temp_removed += outcome == "dropped"
         report.rolled_forward += outcome == "rolled"
 
@@ -161,14 +180,14 @@ async def reconcile(
         done += 1
         note("settle", done, len(doubtful))
 
-    await _gather(concurrency, [settle(k) for k in doubtful])
+    await _gather(concurrency, [settle(k) for k in doubtful], report)
 
     async def upgrade(key: str) -> None:
         stamp = rows[key][1]
         if stamp is not None and await upkeep.upgrade_stamp(parse_block_key(key), stamp=stamp):
             report.stamps_upgraded += 1
 
-    await _gather(concurrency, [upgrade(k) for k in legacy])
+    await _gather(concurrency, [upgrade(k) for k in legacy], report)
 
     adopted = 0
 
@@ -186,22 +205,22 @@ async def reconcile(
             note("digest", adopted, len(orphans))
 
     note("digest", 0, len(orphans))
-    await _gather(concurrency, [adopt(k) for k in orphans])
+    await _gather(concurrency, [adopt(k) for k in orphans], report)
 
     # versions no row names (uncommitted, or replaced), once no writer can still be committing them: told by the
     # index's staging intents and its clock (app/index/staging.py), never by this machine's clock against the store's
     unnamed_age = max(stale_parts_s, 2 * STAGED_MAX_AGE_S)
     for info in extra:
-        if await upkeep.retire_unnamed(info.key, stamp=info.stamp, older_than_s=unnamed_age):
+        if await _deferring(upkeep.retire_unnamed(info.key, stamp=info.stamp, older_than_s=unnamed_age), report):
             report.stale_versions_removed += 1
     swept = {(info.key, info.stamp) for info in extra} | {(info.key, PART) for info in part_objects}
     for key, stamp in await index.expired_intents(older_than_s=unnamed_age):  # writers gone, objects not listed
         if (key, stamp) in swept:
             continue
         if stamp != PART:
-            await upkeep.retire_unnamed(key, stamp=stamp, older_than_s=unnamed_age)
-        elif await index.claim_part_object(store_key=key, older_than_s=unnamed_age):
-            await store.delete(key)
+            await _deferring(upkeep.retire_unnamed(key, stamp=stamp, older_than_s=unnamed_age), report)
+        else:
+            await _deferring(_retire_part_object(store, index, key, older_than_s=unnamed_age), report)
 
     known = set(await index.namespace_names())
     for key in others:
@@ -230,18 +249,25 @@ async def reconcile(
     report.bytes = sum(u.bytes for u in usage)
     report.seconds = time.monotonic() - began
     log.info(
-        "reconcile dropped=%s adopted=%s in_doubt=%s rolled_forward=%s configs=%s temp=%s blocks=%s bytes=%s in %.2fs",
+        "reconcile dropped=%s adopted=%s in_doubt=%s rolled_forward=%s configs=%s temp=%s deferred=%s blocks=%s"
+        " bytes=%s in %.2fs",
         report.rows_dropped,
         report.adopted,
         report.resized,
         report.rolled_forward,
         report.configs_adopted,
         report.temp_removed,
+        report.deferred,
         report.blocks,
         report.bytes,
         report.seconds,
     )
     return report
+
+
+async def _retire_part_object(store: BlockStore, index: Index, key: str, *, older_than_s: float) -> None:
+    if await index.claim_part_object(store_key=key, older_than_s=older_than_s):
+        await store.delete(key)
 
 
 def _seen(info: ObjectInfo) -> tuple[int, str | None]:

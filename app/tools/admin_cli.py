@@ -208,6 +208,7 @@ def gc(
         ("stale uploads dropped (parts)", report.stale_uploads_dropped),
         ("empty upload directories removed", report.part_dirs_removed),
         ("left alone", len(report.left_alone)),
+        ("keys deferred (index or store failed; run again)", report.deferred),
         ("blocks now", report.blocks),
         ("bytes now", _human(report.bytes)),
         ("seconds", f"{report.seconds:.2f}"),

@@ -7,7 +7,10 @@ import asyncio
 import os
 import time
 from pathlib import Path
+from typing import Any
 
+from app.core.reconcile import reconcile
+from app.errors import CommitUnknown, IndexUnavailable
 from app.storage.checksums import checksum_of
 from contract.keys import namespace_for, run_fields
 from contract.wire import SHA256
@@ -186,3 +189,46 @@ async def test_puts_that_come_together_make_one_layout_lookup(gw: Gateway) -> No
     assert asked == [TEST_NS]
     for i in range(16):
         assert (await gw.client.get(f"/v1/blocks/{key_for(100 + i)}")).content == bodies[i]
+
+
+async def test_reconcile_defers_a_key_whose_commit_reply_was_lost_and_settles_the_rest(tmp_path: Path) -> None:
+    """One key's lost COMMIT reply (CommitUnknown) with the index out a moment longer (the row cannot be read back
+    to settle it) defers that key alone: the others are adopted, the report says one was deferred, and the next
+    reconcile finds the key as it is. Before: the whole reconcile failed at that key, and a start-up began it again
+    from the listing."""
+    cfg = settings_for(tmp_path, fs=True, reconcile_on_start=False)
+    root = tmp_path / "blocks"
+    bodies = {i: random_bytes(600 + i, i) for i in range(6)}
+    for i, data in bodies.items():  # files without rows: adopted by reconcile
+        (root / key_for(i)).parent.mkdir(parents=True, exist_ok=True)
+        (root / key_for(i)).write_bytes(data)
+    async with running(cfg) as gw:
+        core = gw.core
+        index = core.index
+        real, real_settled = index.swap_block, index.settled
+        lost = key_for(3)
+
+        async def losing(record: Any, **kw: Any) -> Any:
+            result = await real(record, **kw)
+            if record.key == lost:  # committed, but the reply never came
+                raise CommitUnknown("the COMMIT's reply was lost", result=result)
+            return result
+
+        async def out(key: str) -> Any:
+            if key == lost:
+                raise IndexUnavailable("the index cannot be reached")
+            return await real_settled(key)
+
+        index.swap_block, index.settled = losing, out  # type: ignore[method-assign]
+        try:
+            report = await reconcile(upkeep=core.upkeep, store=core.store, index=index)
+        finally:
+            index.swap_block, index.settled = real, real_settled  # type: ignore[method-assign]
+        assert (report.adopted, report.deferred) == (5, 1)
+        again = await reconcile(upkeep=core.upkeep, store=core.store, index=index)
+        assert again.deferred == 0
+        for i, data in bodies.items():
+            got = await gw.client.get(f"/v1/blocks/{key_for(i)}")
+            assert got.status_code == 200 and got.content == data and got.headers["etag"] == f'"{crc(data)}"'
+        stats = await gw.stats()
+        assert stats["blocks"] == 6

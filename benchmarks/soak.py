@@ -39,6 +39,8 @@ class Figures:
     rss_start_kib: int = 0
     rss_peak_kib: int = 0
     rss_end_kib: int = 0
+    rss_by_minute_kib: list[int] = field(default_factory=list)
+    """The server's RSS at the end of each minute of load: steady, or growing."""
     first_errors: list[str] = field(default_factory=list)
 
 
@@ -110,8 +112,12 @@ async def run_soak(
     headers = {"Authorization": f"Bearer {TOKEN}"}
 
     async def sample() -> None:
+        began = time.monotonic()
         while time.monotonic() < until:
-            fig.rss_peak_kib = max(fig.rss_peak_kib, rss_kib(pid))
+            rss = rss_kib(pid)
+            fig.rss_peak_kib = max(fig.rss_peak_kib, rss)
+            if time.monotonic() - began >= 60 * (len(fig.rss_by_minute_kib) + 1):
+                fig.rss_by_minute_kib.append(rss)
             await asyncio.sleep(1.0)
 
     async with httpx.AsyncClient(base_url=url, timeout=30, limits=limits, headers=headers) as c:
@@ -146,7 +152,8 @@ def main() -> None:
     print(
         f"soak: {fig.requests} requests in {fig.duration_s:.0f}s by {fig.clients} clients "
         f"({fig.requests / fig.duration_s:.0f}/s), errors {fig.errors}, byte mismatches {fig.mismatches}, "
-        f"server RSS {fig.rss_start_kib} KiB -> {fig.rss_end_kib} KiB (peak {fig.rss_peak_kib} KiB)"
+        f"server RSS {fig.rss_start_kib} KiB -> {fig.rss_end_kib} KiB (peak {fig.rss_peak_kib} KiB); "
+        f"by minute (MiB): {' '.join(str(r // 1024) for r in fig.rss_by_minute_kib)}"
     )
     if fig.errors:
         raise SystemExit(1)

@@ -6,7 +6,9 @@ KiB and 64 KiB, system CPU per file, in one run (the order rotates by round).
 Each phase writes ``--files`` new files under ``--dir`` (the filesystem the store would use) after removing the last
 phase's and waiting ``--settle`` seconds, so that every phase's page cache grows into memory freed a moment before
 (on a VM with free page reporting, memory the host has taken back). Why the filesystem store caps its write calls
-(app/storage/fs_files.py, ``WRITE_CALL_BYTES``).
+(app/storage/fs_files.py, ``WRITE_CALL_BYTES``). ``--keep``: no phase's files are removed, so the page cache grows
+through the run, as under a long PUT load (4.8 GB over 2 rounds: one call 3.9x calls of 1 MiB, which climb from
+0.8 to 1.5-2.3 ms; an ad-hoc run past 9 GB had every size at 7-9 ms).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ CALLS = (2 * MiB, MiB, 256 * KiB, 64 * KiB)
 def write_files(root: Path, *, data: bytes, call: int, files: int) -> float:
     """System CPU milliseconds per file."""
     view = memoryview(data)
+    root.mkdir(exist_ok=True)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_stime
     for i in range(files):
         fd = os.open(root / f"{call}-{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -45,6 +48,7 @@ def main() -> None:
     ap.add_argument("--files", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--settle", type=float, default=4.0, help="seconds between removing a phase's files and the next")
+    ap.add_argument("--keep", action="store_true", help="keep every phase's files (the page cache grows all along)")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="kvgate-write-calls-", dir=args.dir))
     data = os.urandom(2 * MiB)
@@ -52,10 +56,12 @@ def main() -> None:
     try:
         for rnd in range(args.rounds):
             for call in CALLS[rnd % len(CALLS) :] + CALLS[: rnd % len(CALLS)]:
-                for f in root.iterdir():
-                    f.unlink()
-                time.sleep(args.settle)
-                got[call].append(write_files(root, data=data, call=call, files=args.files))
+                if not args.keep:
+                    for f in root.iterdir():
+                        f.unlink()
+                    time.sleep(args.settle)
+                got[call].append(write_files(root / f"r{rnd}" if args.keep else root, data=data, call=call,
+                                             files=args.files))  # fmt: skip
                 print(f"  round {rnd + 1}: calls of {call // KiB:>4} KiB: {got[call][-1]:.2f} ms", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)

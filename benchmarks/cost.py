@@ -230,6 +230,13 @@ def load_average() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
+def row_label(op: str, size: int) -> str:
+    """A report row's name: ``PUT 64 KiB``, ``GET 2 MiB``, ``HEAD``."""
+    if op == "head":
+        return "HEAD"
+    return f"{op.upper()} {size // MiB} MiB" if size >= MiB else f"{op.upper()} {size // KiB} KiB"
+
+
 def fmt_cell(values: list[float], spec: str) -> str:
     if not values:
         return "-"
@@ -350,10 +357,7 @@ def report(
     )
     print(head)
     for op, size in rows:
-        label = f"{op.upper()} {size // MiB} MiB" if size >= MiB else f"{op.upper()} {size // KiB} KiB"
-        if op == "head":
-            label = "HEAD"
-        line = f"{label:<14}"
+        line = f"{row_label(op, size):<14}"
         for s in systems:
             line += f"{fmt_cell(cells[(s, op, size)].cpu_ms, '.3f'):>26}"
         for s in systems[1:]:
@@ -362,19 +366,22 @@ def report(
     print("\nthroughput, requests per second (median, lowest-highest):")
     print(f"{'request':<14}" + "".join(f"{s:>26}" for s in systems))
     for op, size in rows:
-        label = "HEAD" if op == "head" else f"{op.upper()} {size // KiB} KiB"
-        print(f"{label:<14}" + "".join(f"{fmt_cell(cells[(s, op, size)].req_s, '.0f'):>26}" for s in systems))
+        print(
+            f"{row_label(op, size):<14}"
+            + "".join(f"{fmt_cell(cells[(s, op, size)].req_s, '.0f'):>26}" for s in systems)
+        )
     print("\nthroughput, MB/s (median, lowest-highest):")
     print(f"{'request':<14}" + "".join(f"{s:>26}" for s in systems))
     for op, size in rows:
         if op != "head":
-            label = f"{op.upper()} {size // KiB} KiB"
-            print(f"{label:<14}" + "".join(f"{fmt_cell(cells[(s, op, size)].mb_s, '.0f'):>26}" for s in systems))
+            print(
+                f"{row_label(op, size):<14}"
+                + "".join(f"{fmt_cell(cells[(s, op, size)].mb_s, '.0f'):>26}" for s in systems)
+            )
     print("\nserver minor page faults per request (new memory touched), and the kernel's share of its CPU:")
     print(f"{'request':<14}" + "".join(f"{s:>26}" for s in systems))
     for op, size in rows:
-        label = "HEAD" if op == "head" else f"{op.upper()} {size // KiB} KiB"
-        line = f"{label:<14}"
+        line = f"{row_label(op, size):<14}"
         for s in systems:
             c = cells[(s, op, size)]
             line += f"{statistics.median(c.faults):>14.1f} / {100 * statistics.median(c.system):>6.0f}% sys"

@@ -168,7 +168,7 @@ async def test_reconcile_checks_a_row_in_its_own_algorithm(tmp_path: Path) -> No
 async def test_puts_that_come_together_make_one_layout_lookup(gw: Gateway) -> None:
     """The layout check's lookup of a namespace without a config, shared by the PUTs that need it at once (each
     one's own lookup opened an overflow connection of the async engine's pool past the fifth)."""
-    index = gw.service._index
+    index = gw.core.index  # the service's own (app/core/assembly.py)
     real = index.get_namespace
     asked: list[str] = []
 

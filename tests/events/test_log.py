@@ -239,6 +239,55 @@ async def test_postgresql_ids_committed_out_of_order_are_not_skipped(pg_url: str
         assert sent.keys() == [("stored", slow), ("stored", fast)]
 
 
+async def test_postgresql_an_id_held_by_a_transaction_newer_than_every_ended_one_is_not_skipped(pg_url: str) -> None:
+    """PostgreSQL's snapshot ends at the newest transaction that has ended: one that began writing after it and still
+    runs is in no snapshot's list, nor below its xmin. Here B begins writing first, A after it; A takes log id n, B
+    takes n + 1 and commits. Every snapshot now says "nothing running" (xmin = xmax = B + 1) while A, running,
+    holds n: a reader that trusted it published n + 1 and never n. The publisher waits until A has ended."""
+    import asyncpg  # type: ignore[import-untyped]
+
+    from tests.services import asyncpg_dsn
+
+    def block_row(key: str) -> tuple[Any, ...]:
+        sql = (
+            "INSERT INTO blocks (key, namespace, rank, grp, size, digest, created_at, last_access, hits) "
+            "VALUES ($1, $2, 0, 0, 1, $3, 0, 0, 0)"
+        )
+        return sql, key, key.split("_r0/")[0], "0" * 64
+
+    async with log_index(pg_url) as index:
+        sent = Sent()
+        publisher = Publisher(index=index, sinks=[sent])
+        await publisher.resume()
+        a_key, b_key = key_for(1), key_for(2)
+        a: Any = await asyncpg.connect(asyncpg_dsn(pg_url))
+        b: Any = await asyncpg.connect(asyncpg_dsn(pg_url))
+        try:
+            b_tx, a_tx = b.transaction(), a.transaction()
+            await b_tx.start()
+            await b.execute(*block_row(b_key))  # B takes its transaction id first
+            await a_tx.start()
+            await a.execute(*block_row(a_key))  # A after it: a newer one
+            log = "INSERT INTO event_log (kind, key, size, digest) VALUES (0, $1, 1, $2) RETURNING id"
+            a_id = await a.fetchval(log, a_key, "0" * 64)
+            b_id = await b.fetchval(log, b_key, "0" * 64)
+            assert b_id == a_id + 1
+            await b_tx.commit()
+            running = await b.fetchval("SELECT pg_current_snapshot()::text")
+            a_xid = await a.fetchval("SELECT pg_current_xact_id()::text")
+            xmin, xmax, _ = running.split(":")
+            assert int(xmin) == int(xmax) <= int(a_xid)  # A is newer than the snapshot's end: "nothing running"
+            await publisher.round()
+            assert sent.keys() == []  # before the fix: [("stored", b_key)], and a_key's row never went out
+            await a_tx.commit()
+        finally:
+            await a.close()
+            await b.close()
+        while await publisher.round():
+            pass
+        assert sent.keys() == [("stored", a_key), ("stored", b_key)]
+
+
 async def test_0007_adds_the_model_to_a_0006_log_in_place(index_url: str) -> None:
     """A log written at revision 0006 migrates in place (its rows kept, no model), and back."""
     cfg = alembic_config(index_url)

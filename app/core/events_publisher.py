@@ -120,10 +120,11 @@ class Publisher:
             # removes the config right after its blocks' rows, so a publisher that first met the namespace in those
             # rows found no config and sent them under another topic (the router kept the blocks).
             await models.load(n for n in await self._index.namespace_names() if not models.known(n))
-        if state.held:
+        if state.held:  # parents first: a child held behind its parent, itself held, has the smaller id
             rows = await self._index.event_rows_by_id(state.held)
-            for row_id in sorted(rows):
-                self._ready += self._take(rows[row_id], again=True)
+            events = [e for row_id in sorted(rows) if (e := self._encode(rows[row_id])) is not None]
+            for event in parents_first(events):
+                self._ready += self._order.add(event)
 
     async def round(self) -> int:
         """Publish what the log holds past the last row covered; the number of batches sent. IndexUnavailable: the
@@ -168,30 +169,34 @@ class Publisher:
 
     # -- order ------------------------------------------------------------------------------------------------
 
-    def _take(self, row: LogRow, *, again: bool = False) -> list[Event]:
-        """The events that may go once ``row`` is read (its own, then those waiting for it), in order; ``again``: a
-        row held before a restart (what it waits for is in the stored state)."""
+    def _take(self, row: LogRow) -> list[Event]:
+        """The events that may go once ``row`` is read (its own, then those waiting for it), in order."""
         if row.kind == RELEASE:
             return self._ended(row.token)
         if row.kind == CONFIG_REMOVED:  # a purge: its blocks' rows before this one go under the model it names
             if self.models is not None and row.model is not None:
                 self.models.learn(row.key, row.model)
             return []
-        try:
-            event = event_of(row, self.codec)
-        except (EventEncodeError, InvalidKey) as exc:
-            self.dropped += 1
-            log.error("event dropped key=%s: %s", row.key[:600], exc)
+        event = self._encode(row)
+        if event is None:
             return self._ended(row.token)  # its children wait for it no more
         parent = event.parent_key
-        if row.waits_for and parent is not None and parent != event.key and not again:
+        if row.waits_for and parent is not None and parent != event.key:
             for token in row.waits_for:
                 if token not in self._tokens:
                     self._tokens[token] = parent
                     self._since[token] = time.monotonic()
                     self._order.begin(parent)
-        out = self._order.add(event)
-        return out if again else out + self._ended(row.token)
+        return self._order.add(event) + self._ended(row.token)
+
+    def _encode(self, row: LogRow) -> Event | None:
+        """The row's event; None if the codec refuses it (dropped alone, logged)."""
+        try:
+            return event_of(row, self.codec)
+        except (EventEncodeError, InvalidKey) as exc:
+            self.dropped += 1
+            log.error("event dropped key=%s: %s", row.key[:600], exc)
+            return None
 
     def _ended(self, token: int | None) -> list[Event]:
         """The row of the PUT ``token`` was read: at the last one their key's rows wait for, they may go (after it,

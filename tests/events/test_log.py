@@ -179,6 +179,30 @@ async def test_held_rows_wait_for_the_puts_of_their_parent_across_a_restart(inde
     assert sent.keys()[-1] == ("stored", child)
 
 
+async def test_a_child_held_behind_its_held_parent_stays_behind_it_across_a_restart(index: Index) -> None:
+    """The child committed first, waiting for its parent's PUT; the parent's row came, itself waiting for the
+    grandparent's PUT: both are held, the child behind the parent. A restart reads the held rows again in the log's
+    order, the child first: it must be held again behind its parent, which is held again (before the fix the child
+    went out at once, ahead of its parent: a router drops or misfiles it)."""
+    grandparent, parent, child = key_for(1), key_for(2), key_for(3)
+    h = {k: k.rsplit("/", 1)[1].removesuffix(".bin") for k in (grandparent, parent)}
+    sent = Sent()
+    publisher = Publisher(index=index, sinks=[sent])
+    await publisher.resume()
+    await index.swap_block(record(child), note=LogNote(token_ids=(5,), parent=h[parent], waits_for=(8,)))
+    await index.swap_block(record(parent), note=LogNote(token_ids=(3,), parent=h[grandparent], waits_for=(7,), token=8))
+    await publisher.round()
+    assert sent.keys() == []
+
+    publisher = Publisher(index=index, sinks=[sent])  # a restart, or another replica taking over
+    await publisher.resume()
+    await publisher.round()
+    assert sent.keys() == []
+    await index.swap_block(record(grandparent), note=LogNote(token_ids=(1,), token=7))
+    await publisher.round()
+    assert sent.keys() == [("stored", grandparent), ("stored", parent), ("stored", child)]
+
+
 async def test_a_held_row_goes_after_events_hold_s_without_its_parent(index: Index) -> None:
     sent = Sent()
     publisher = Publisher(index=index, sinks=[sent], hold_s=0.0)

@@ -22,8 +22,10 @@ One key's failure to reach the index (``IndexUnavailable``: a refused connection
 the store (``BackendUnavailable``) defers that key and nothing else: it is left as it is, counted in ``deferred``
 and logged, for the next reconcile (``kvgate gc``, the next start) to look at afresh, which is safe since each key's
 decision is made again from what it finds. A whole reconcile stopped by one lost reply began again from the listing
-at the next start-up try, and under a link that loses one reply in a few hundred never finished. The snapshot and
-the listing themselves still fail the whole (nothing to decide from).
+at the next start-up try, and under a link that loses one reply in a few hundred never finished. The tail steps
+defer the same way, each alone: a config's adoption, the sweep of idle uploads, the sweep of part objects (all of it
+when the uploads' rows cannot be read: which parts are described is unknown), the removal of empty part
+directories. The snapshot, the listing and the namespaces' names still fail the whole (nothing to decide from).
 """
 
 from __future__ import annotations
@@ -222,27 +224,33 @@ async def reconcile(
         else:
             await _deferring(_retire_part_object(store, index, key, older_than_s=unnamed_age), report)
 
+    # the tail: each step (a config, the idle uploads' sweep, a part object) deferred alone, as a key's above
     known = set(await index.namespace_names())
     for key in others:
         before = len(known)
-        if await _adopt_config(store, index, key, known):
+        config = await _deferring(_adopt_config(store, index, key, known), report)
+        if config:
             report.configs_adopted += len(known) - before
-        else:
+        elif config is not None:
             report.left_alone.append(key)
             log.warning("reconcile: left alone key=%s (neither a block nor a valid namespace config)", key)
 
-    report.stale_uploads_dropped = await upkeep.drop_idle_uploads(idle_s=stale_parts_s)
-    described = {p.store_key for u in await index.uploads() for p in await index.get_parts(u.key)}
+    report.stale_uploads_dropped = await _deferring(upkeep.drop_idle_uploads(idle_s=stale_parts_s), report) or 0
+    described = await _deferring(_described_parts(index), report)
     cutoff = time.time() - stale_parts_s  # in-place uploads (one machine's files): their mtime is this clock's
-    for info in part_objects:  # data of a part whose row never committed (or was dropped above)
-        if info.key in described:
-            continue
+
+    async def sweep(info: ObjectInfo) -> None:  # data of a part whose row never committed (or was dropped above)
         if store.uploads and info.mtime > cutoff:
-            continue
+            return
         if not store.uploads and not await index.claim_part_object(store_key=info.key, older_than_s=unnamed_age):
-            continue  # being written (its intent is young by the index's clock), or recorded since the listing
+            return  # being written (its intent is young by the index's clock), or recorded since the listing
         report.part_objects_removed += int(await store.delete(info.key))
-    report.part_dirs_removed = await store.remove_empty_dirs(PARTS_PREFIX, older_than_s=stale_parts_s)
+
+    for info in part_objects if described is not None else ():  # not knowing which are described: none swept
+        if info.key not in described:
+            await _deferring(sweep(info), report)
+    empty = store.remove_empty_dirs(PARTS_PREFIX, older_than_s=stale_parts_s)
+    report.part_dirs_removed = await _deferring(empty, report) or 0
 
     usage = await index.namespace_usage()
     report.blocks = sum(u.blocks for u in usage)
@@ -263,6 +271,11 @@ async def reconcile(
         report.seconds,
     )
     return report
+
+
+async def _described_parts(index: Index) -> set[str]:
+    """The store keys of every part an upload's rows describe."""
+    return {p.store_key for u in await index.uploads() for p in await index.get_parts(u.key)}
 
 
 async def _retire_part_object(store: BlockStore, index: Index, key: str, *, older_than_s: float) -> None:

@@ -4,6 +4,7 @@ a restart over the same store and index (usage reloaded, nothing lost)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from pathlib import Path
@@ -232,3 +233,42 @@ async def test_reconcile_defers_a_key_whose_commit_reply_was_lost_and_settles_th
             assert got.status_code == 200 and got.content == data and got.headers["etag"] == f'"{crc(data)}"'
         stats = await gw.stats()
         assert stats["blocks"] == 6
+
+
+async def test_reconcile_defers_a_config_and_the_idle_uploads_and_finishes_the_rest(tmp_path: Path) -> None:
+    """Its tail steps defer as its per-key ones do: one namespace config whose row cannot be written (the index out
+    a moment), and the sweeps of idle uploads and of part objects (the index's uploads unreadable), are each left
+    for the next reconcile and counted in ``deferred``; the other config is adopted and the report comes back.
+    Before: the first failure ended the whole reconcile (a start-up one began it again from the listing)."""
+    cfg = settings_for(tmp_path, fs=True, reconcile_on_start=False)
+    root = tmp_path / "blocks"
+    fields = {name: agnostic_fields(name) for name in ("test-org/config-a", "test-org/config-b")}
+    names = {name: namespace_for(f) for name, f in fields.items()}
+    for name, f in fields.items():  # configs without rows: adopted by reconcile
+        (root / names[name]).mkdir(parents=True, exist_ok=True)
+        (root / names[name] / "config.json").write_text(json.dumps(f))
+    async with running(cfg) as gw:
+        core = gw.core
+        index = core.index
+        real_put, real_uploads = index.put_namespace, index.uploads
+        flaky = names["test-org/config-b"]
+
+        async def put_namespace(*, name: str, fields: Any) -> Any:
+            if name == flaky:
+                raise IndexUnavailable("the index cannot be reached")
+            return await real_put(name=name, fields=fields)
+
+        async def uploads() -> Any:
+            raise IndexUnavailable("the index cannot be reached")
+
+        index.put_namespace, index.uploads = put_namespace, uploads  # type: ignore[method-assign]
+        try:
+            report = await reconcile(upkeep=core.upkeep, store=core.store, index=index)
+        finally:
+            index.put_namespace, index.uploads = real_put, real_uploads  # type: ignore[method-assign]
+        assert (report.configs_adopted, report.deferred) == (1, 3)  # a config, two sweeps
+        again = await reconcile(upkeep=core.upkeep, store=core.store, index=index)
+        assert (again.configs_adopted, again.deferred) == (1, 0)
+        for name, f in fields.items():
+            got = await gw.client.get(f"/v1/namespaces/{names[name]}/config")
+            assert got.status_code == 200 and got.json()["model_name"] == f["model_name"]

@@ -9,13 +9,15 @@ prefixes (``--tokens``) and a short suffix of its own. TTFT is the time from sen
 request (``max_tokens=1``, greedy) to its first token. The servers (each a fresh ``vllm serve`` process):
 
 Each server first answers a short prompt twice (its one-off costs: a first forward, a first cached prefix).
-1. A, with kvgate: computes one request per prefix; its stores fill the gateway (the warm-up).
+1. A, with kvgate: computes one request per prefix, one at a time; its stores fill the gateway (the warm-up, and the
+   TTFT of a miss that stores);
 2. B, with kvgate, started after A stopped (vLLM's cache cold, kvgate warm):
    - hits: ``--requests`` requests, one at a time, each on a prefix A stored (other suffixes);
    - ``--concurrent`` hits at once: the KV bytes loaded per second, against the GETs of the same blocks alone;
    - misses (prefixes never stored) alone, then as many misses again while ``--concurrent`` hits load beside them:
      a load must not slow them.
-3. C, without kvgate: the hits' requests recomputed.
+3. C, without kvgate: the hits' requests recomputed (the TTFT of a miss without kvgate, against A's), then the
+   misses at once again (against B's).
 The model is tests/engine/tiny_model.py's random Llama (32 KiB of KV per token); nothing is downloaded.
 """
 
@@ -124,6 +126,27 @@ async def at_once(url: str, model: str, prompts: list[str]) -> tuple[list[float]
         return list(got), time.perf_counter() - t
 
 
+def pid_of(server: LoopbackProcess) -> int:
+    assert server.proc is not None
+    return server.proc.pid
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of process ``pid`` and every live descendant (vLLM's engine core, the gateway)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
@@ -208,8 +231,16 @@ def main() -> None:
 
             srv = server("A", gw.url)
             try:
-                print("A: warming kvgate", flush=True)
-                asyncio.run(one_by_one(srv.url, str(model), [warm[ask.index(p)] for p in stored]))
+                print("A: warming kvgate (misses that store, one at a time)", flush=True)
+                m0, cpu0 = srv.metrics(), (tree_cpu_s(pid_of(srv)), tree_cpu_s(pid_of(gw)))
+                out["misses_storing"] = summary(
+                    asyncio.run(one_by_one(srv.url, str(model), [warm[ask.index(p)] for p in stored]))
+                )
+                out["misses_storing"]["vllm"] = inside(m0, srv.metrics())
+                out["misses_storing"]["cpu_s"] = {  # per request: the engine's processes, the gateway's
+                    "engine": (tree_cpu_s(pid_of(srv)) - cpu0[0]) / len(stored),
+                    "gateway": (tree_cpu_s(pid_of(gw)) - cpu0[1]) / len(stored),
+                }
                 blocks = len(stored) * (a.tokens // 32 - 1)
                 wait_blocks(gw.url, blocks)
             finally:
@@ -235,9 +266,14 @@ def main() -> None:
             srv = server("C", None)
             try:
                 print("C: the hits recomputed", flush=True)
-                m0 = srv.metrics()
+                m0, cpu0 = srv.metrics(), (tree_cpu_s(pid_of(srv)), tree_cpu_s(pid_of(gw)))
                 out["recompute"] = summary(asyncio.run(one_by_one(srv.url, str(model), hits)))
                 out["recompute"]["vllm"] = inside(m0, srv.metrics())
+                out["recompute"]["cpu_s"] = {
+                    "engine": (tree_cpu_s(pid_of(srv)) - cpu0[0]) / len(hits),
+                    "gateway": (tree_cpu_s(pid_of(gw)) - cpu0[1]) / len(hits),
+                }
+                out["misses_alone_off"] = summary(asyncio.run(at_once(srv.url, str(model), misses_alone))[0])
             finally:
                 srv.stop()
             out["raw_get_bytes_per_s"], out["plain_get_bytes_per_s"] = raw_gets(gw.data_dir, gw.url, blocks)
@@ -257,9 +293,11 @@ def report(out: dict[str, Any]) -> None:
     )
     rows = [
         ("recomputed (no kvgate)", "recompute"),
+        ("misses that store (kvgate on), one at a time", "misses_storing"),
         ("hits after a restart, one at a time", "hits"),
         (f"{a['concurrent']} hits at once", "concurrent"),
         (f"{a['misses']} misses at once, alone", "misses_alone"),
+        (f"{a['misses']} misses at once, no kvgate", "misses_alone_off"),
         (f"{a['misses']} misses at once, {a['concurrent']} loads beside", "misses_beside_loads"),
         (f"  the {a['concurrent']} loads beside them", "loads_beside_misses"),
     ]
@@ -272,8 +310,14 @@ def report(out: dict[str, Any]) -> None:
                 f"   (vLLM's own means: queued {v['request_queue_time']:.3f}, prefill {v['request_prefill_time']:.3f},"
                 f" first token {v['time_to_first_token']:.3f})"
             )
+        if "cpu_s" in s:
+            line += f"   (CPU per request: engine {s['cpu_s']['engine']:.2f} s, gateway {s['cpu_s']['gateway']:.2f} s)"
         print(line)
     rec, hit = out["recompute"]["p50"], out["hits"]["p50"]
+    print(
+        f"  a miss with kvgate on / off (p50): one at a time {out['misses_storing']['p50'] / rec:.2f}x, "
+        f"{a['misses']} at once {out['misses_alone']['p50'] / out['misses_alone_off']['p50']:.2f}x"
+    )
     print(f"  hits: {rec / hit:.1f}x faster than recomputed (p50); {out['hit_tokens_per_request']:.0f} tokens loaded")
     con = out["concurrent"]
     print(

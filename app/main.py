@@ -32,11 +32,11 @@ from app.api.server.supervisor import Supervisor, bind_sockets
 from app.backends import Backends, open_backends
 from app.config import Settings
 from app.core.assembly import open_core
-from app.core.events import NO_EVENTS
-from app.core.events_feed import EventFeed
-from app.core.events_setup import event_parts, open_events
+from app.core.event_sink import NO_EVENTS
 from app.core.reconcile import reconcile
 from app.errors import BackendUnavailable
+from app.events.feed import EventFeed
+from app.events.setup import event_parts, open_events
 from app.index.engine import unreachable
 
 log = logging.getLogger("kvgate")

@@ -31,9 +31,9 @@ from typing import Any
 import msgspec
 import zmq
 
-from app.core.events_publisher import Publisher
-from app.core.events_wire import EventCodec, KVEventBatch, Topics
-from app.core.events_zmq import ZmqPublisher
+from app.events.publisher import Publisher
+from app.events.wire import EventCodec, KVEventBatch, Topics
+from app.events.zmq_outlet import ZmqPublisher
 from app.index import LogNote
 from tests.conftest import key_for
 from tests.events.helpers import events_gateway

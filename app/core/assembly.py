@@ -17,7 +17,7 @@ from app.backends import Backends
 from app.config import Settings
 from app.core.capacity import Capacity
 from app.core.coordination import Coordinator, open_coordinator
-from app.core.events import NO_EVENTS, EventSink
+from app.core.event_sink import NO_EVENTS, EventSink
 from app.core.keystate import KeyLocks, MetaCache
 from app.core.ownership import bind
 from app.core.parts import PartAssembler

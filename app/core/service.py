@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from app.core.arrivals import RECHECK_S
-from app.core.events import NO_EVENTS, EventSink
+from app.core.event_sink import NO_EVENTS, EventSink
 from app.core.memo import NamespaceMemo
 from app.core.parts import PartAssembler, PartOutcome
 from app.core.reads import OpenBlock
@@ -114,7 +114,7 @@ class BlockService:
         digest: str | None,
         create_only: bool,
     ) -> PutResult:
-        async with self._events.writing(key.path):  # its children's events wait for it (app/core/events_order.py)
+        async with self._events.writing(key.path):  # its children's events wait for it (app/events/order.py)
             return await self._put(key, body, size=size, digest=digest, create_only=create_only)
 
     async def _put(

@@ -39,7 +39,7 @@ from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 
 from app.core.arrivals import Arrivals
-from app.core.events import NO_EVENTS, EventSink
+from app.core.event_sink import NO_EVENTS, EventSink
 from app.core.keystate import KeyLocks, MetaCache
 from app.core.usage import Usage
 from app.errors import BackendUnavailable, CommitUnknown, IndexUnavailable, KVGateError, StagingExpired

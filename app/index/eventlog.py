@@ -20,7 +20,7 @@ one running, read after it ended, is newer), the rows up to that id are final. A
 it is one past the newest transaction that has *ended*, so a transaction that took its id after that one and still
 runs is neither listed in it nor below its xmin (found by the router's-eye test: a row skipped for ever).
 
-**Publishing** (app/core/events_publisher.py) stores each batch (its sequence number, topic and rows) with the new
+**Publishing** (app/events/publisher.py) stores each batch (its sequence number, topic and rows) with the new
 next number, the last row covered and the rows held for their parents, in one transaction conditional on the
 publisher's term (``event_persist``): a publisher that lost its turn can write nothing. The log is trimmed below the
 oldest batch kept.
@@ -60,7 +60,7 @@ class LogRow:
     """None: the writer sent no block meta."""
     parent: str | None
     waits_for: tuple[int, ...]
-    """Tokens of the PUTs of the parent this row waits for (app/core/events_order.py)."""
+    """Tokens of the PUTs of the parent this row waits for (app/events/order.py)."""
     token: int | None
     """The token of the PUT that wrote it, when rows wait for that PUT."""
     model: str | None = None

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import msgspec
 
-from app.core.events import Batch, EventWriter
-from app.core.events_publisher import Publisher
-from app.core.events_wire import EventCodec, KVEventBatch, ModelNames, Topics
+from app.events.model import Batch
+from app.events.publisher import Publisher
+from app.events.wire import EventCodec, KVEventBatch, ModelNames, Topics
+from app.events.writer import EventWriter
 from app.index import LogNote
 from contract.keys import namespace_for
 from tests.conftest import agnostic_fields, key_for

@@ -13,10 +13,10 @@ import pytest
 from sqlalchemy import inspect, text
 
 from alembic import command
-from app.core.events import Batch
-from app.core.events_publisher import LostTurn, Publisher
-from app.core.events_setup import model_lookup
-from app.core.events_wire import ModelNames, Topics
+from app.events.model import Batch
+from app.events.publisher import LostTurn, Publisher
+from app.events.setup import model_lookup
+from app.events.wire import ModelNames, Topics
 from app.index import ABSENT, Index, LogNote, make_engine
 from app.index.eventlog import STORED, Horizon, Snapshot
 from app.index.migrate import alembic_config, upgrade_head

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from app.core.events import Batch, EventWriter, WriterMeta, writer_meta
-from app.core.events_publisher import Publisher
+from app.events.meta import WriterMeta, writer_meta
+from app.events.model import Batch
+from app.events.publisher import Publisher
+from app.events.writer import EventWriter
 from tests.conftest import key_for
 from tests.events.log_harness import log_index, record, sqlite_url
 

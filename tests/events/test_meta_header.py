@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from app.core.events import MAX_META_TOKENS, WriterMeta, parse_meta_header
-from app.core.events_wire import wire_hash
+from app.events.meta import MAX_META_TOKENS, WriterMeta, parse_meta_header
+from app.events.wire import wire_hash
 from contract.wire import MalformedHeader, format_block_meta
 
 PARENT = "ab" * 32

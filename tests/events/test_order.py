@@ -1,4 +1,4 @@
-"""Parents before children (app/core/events_order.py): held while the parent's PUT is in progress, reordered in a
+"""Parents before children (app/events/order.py): held while the parent's PUT is in progress, reordered in a
 batch, each key's events always in commit order, no cycle held, nothing lost."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from app.core.events_order import ParentFirst, parents_first
+from app.events.order import ParentFirst, parents_first
 
 
 @dataclass(frozen=True)

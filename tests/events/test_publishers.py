@@ -15,8 +15,8 @@ from typing import Any
 
 import httpx
 
-from app.core.events_wire import Topics
 from app.core.memo import NAMESPACE_RETRY_S
+from app.events.wire import Topics
 from contract.keys import namespace_for
 from tests.conftest import agnostic_fields, key_for
 from tests.events.helpers import (

@@ -213,7 +213,7 @@ def test_router_index_from_events_equals_lookup(kind: str, tmp_path: Path, reque
         checkpoint("purged")
 
         # each child's store came after its parent's (the engines PUT a prompt's blocks at once): an llm-d indexer
-        # drops a store whose parent it does not know; this router parks it (45-54 a run without app/core/events_order)
+        # drops a store whose parent it does not know; this router parks it (45-54 a run without app/events/order.py)
         assert router.counts["orphans"] == 0
         assert router.counts["resyncs"] == 0  # every gap was filled by a replay, across the restart too
         assert router.counts["twice"] == 0  # one publisher at a time

@@ -14,8 +14,8 @@ import httpx
 from starlette.requests import Request
 
 from app.api.routes.events import events as events_route
-from app.core.events_feed import EventFeed
-from app.core.events_publisher import Publisher
+from app.events.feed import EventFeed
+from app.events.publisher import Publisher
 from tests.conftest import key_for
 from tests.events.helpers import events_gateway, hello, read_batches
 from tests.events.log_harness import log_index, record, sqlite_url

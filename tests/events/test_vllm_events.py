@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.core.events_wire import EventCodec, WireFormat
+from app.events.wire import EventCodec, WireFormat
 from tests.conftest import TEST_NS, agnostic_fields, crc, key_for
 from tests.events.helpers import events_gateway, hello
 from tests.gateway import REPO

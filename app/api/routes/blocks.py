@@ -14,10 +14,10 @@ from app.api.errors import documented
 from app.api.routes.deps import service, settings
 from app.api.routes.thin import ThinRoute
 from app.config import Settings
-from app.core.events import parse_meta_header, writer_meta
 from app.core.reads import OpenBlock, vouch_range
 from app.core.service import BlockService
 from app.errors import InvalidRequest, LengthRequired, PayloadTooLarge
+from app.events.meta import parse_meta_header, writer_meta
 from app.storage.base import Version
 from contract import wire
 from contract.keys import BlockKey, parse_block_key

@@ -3,7 +3,7 @@
 Each batch is one SSE message: ``id`` is its sequence number, ``data`` its JSON (``{"seq", "ts", "events"}``).
 The first message (``event: hello``) gives ``first_seq``, the oldest number still kept, and ``next_seq``, the
 number of the first batch after every change committed before the request (without ``since`` the stream starts
-there). The batches are read from the index (app/core/events_feed.py), so any gateway process or replica serves the
+there). The batches are read from the index (app/events/feed.py), so any gateway process or replica serves the
 same stream, across restarts. ``event: gap`` says batches asked for are no longer kept (``next_seq``: where the
 stream goes on): resync.
 """
@@ -18,8 +18,8 @@ from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import StreamingResponse
 
 from app.api.errors import documented
-from app.core.events_feed import EventFeed
 from app.errors import EventsDisabled
+from app.events.feed import EventFeed
 from contract import wire
 from contract.keys import parse_namespace
 

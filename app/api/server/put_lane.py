@@ -38,7 +38,7 @@ from app.api.middleware.limits import UploadSlots
 from app.api.middleware.metrics import RequestRecorder, route_template
 from app.api.middleware.principals import Principals
 from app.api.routes.thin import find_exception_handler
-from app.core.events_meta import WriterMeta, parse_meta_header, writer_meta
+from app.events.meta import WriterMeta, parse_meta_header, writer_meta
 from app.storage.base import BodyPieces
 from contract import wire
 from contract.keys import BlockKey, InvalidKey, parse_block_key

@@ -1,6 +1,6 @@
 """The stored batches, read back: ``GET /v1/events`` and the ZMQ replay socket, in any gateway process.
 
-The publisher (app/core/events_publisher.py) stores every batch before it sends it, with its rows in order; the
+The publisher (app/events/publisher.py) stores every batch before it sends it, with its rows in order; the
 newest ``events_buffer`` batches are kept. So a stream or a replay starts at any number still kept, after any
 restart and on any replica; a number no longer kept is a gap (the subscriber resyncs with ``POST /v1/lookup``).
 A stream wakes when the publisher in this process stores a round, else every ``poll_s``.
@@ -13,8 +13,8 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
-from app.core.events import Batch, Event, event_of
-from app.core.events_wire import EventCodec, EventEncodeError
+from app.events.model import Batch, Event, event_of
+from app.events.wire import EventCodec, EventEncodeError
 from app.index import Index
 from contract.keys import InvalidKey
 

@@ -3,9 +3,9 @@
 DEALER socket sends a start sequence number (8 bytes big-endian) and gets every batch still kept from that number
 on, each as ``(topic, seq, payload)``, then the end marker ``(b"", -1 as 8 bytes, b"")``.
 
-The payload is the batch of events encoded one by one (app/core/events_wire.py); each batch has its topic
-(``kv@pool:{name}@{model}`` by default: one model's events). Only the publisher (app/core/events_publisher.py)
-binds them. Replays read the stored batches (app/core/events_feed.py), so they reach back past a restart or a
+The payload is the batch of events encoded one by one (app/events/wire.py); each batch has its topic
+(``kv@pool:{name}@{model}`` by default: one model's events). Only the publisher (app/events/publisher.py)
+binds them. Replays read the stored batches (app/events/feed.py), so they reach back past a restart or a
 failover. Both sockets live on the event loop: a PUB send never blocks (past its high-water mark ZMQ drops, as
 vLLM's publisher does), and replays are served by one task.
 """
@@ -20,8 +20,8 @@ from collections.abc import AsyncIterator, Callable
 import zmq
 import zmq.asyncio
 
-from app.core.events import Batch
-from app.core.events_wire import EventCodec
+from app.events.model import Batch
+from app.events.wire import EventCodec
 
 log = logging.getLogger("kvgate.events")
 

@@ -13,14 +13,15 @@ from typing import TYPE_CHECKING
 
 from app.config import Settings
 from app.core.coordination import Coordinator
-from app.core.events import Batch, EventWriter
-from app.core.events_feed import EventFeed
-from app.core.events_publisher import Publisher, PublisherRole
-from app.core.events_wire import EventCodec, ModelNames, Topics, WireFormat
+from app.events.feed import EventFeed
+from app.events.model import Batch
+from app.events.publisher import Publisher, PublisherRole
+from app.events.wire import EventCodec, ModelNames, Topics, WireFormat
+from app.events.writer import EventWriter
 from app.index import Index
 
 if TYPE_CHECKING:
-    from app.core.events_zmq import Replays, ZmqPublisher
+    from app.events.zmq_outlet import Replays, ZmqPublisher
 
 log = logging.getLogger("kvgate.events")
 
@@ -132,7 +133,7 @@ class ZmqOutlet:
 
     @contextlib.asynccontextmanager
     async def _pair(self, endpoint: str, replay_endpoint: str | None, replays: Replays) -> AsyncIterator[ZmqPublisher]:
-        from app.core.events_zmq import ZmqPublisher  # pyzmq only where events go out on ZMQ
+        from app.events.zmq_outlet import ZmqPublisher  # pyzmq only where events go out on ZMQ
 
         zmq = ZmqPublisher(
             endpoint=endpoint, replay_endpoint=replay_endpoint, codec=self._codec, replays=replays, buffer=self._buffer

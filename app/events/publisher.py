@@ -33,10 +33,10 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from app.core.coordination import Coordinator
-from app.core.events import Batch, BatchSink, Event, event_of
-from app.core.events_order import ParentFirst, parents_first
-from app.core.events_wire import EventCodec, EventEncodeError, ModelNames, Topics
 from app.errors import IndexUnavailable
+from app.events.model import Batch, BatchSink, Event, event_of
+from app.events.order import ParentFirst, parents_first
+from app.events.wire import EventCodec, EventEncodeError, ModelNames, Topics
 from app.index import Index
 from app.index.eventlog import CONFIG_REMOVED, RELEASE, Horizon, LoggedBatch, LogRow
 from contract.keys import InvalidKey

@@ -1,0 +1,105 @@
+"""A gateway process's part in the KV events: the block meta and parent waits of each change's log row, and the
+release rows (see the package doc)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextvars import ContextVar
+from typing import Any
+
+from app.errors import KVGateError
+from app.events.meta import writer_meta
+from app.events.order import Bracket, Brackets
+from app.index import BlockRecord, Index, LogNote
+from contract.keys import InvalidKey, block_path, parse_block_key
+
+log = logging.getLogger("kvgate.events")
+
+
+_bracket: ContextVar[Bracket | None] = ContextVar("kvgate_events_bracket", default=None)
+"""The PUT the current task is part of (its commit runs in a task that inherits it)."""
+
+
+class EventWriter:
+    """A gateway process's part in the events (the index writes the rows): each row's block meta and the parent's
+    rows it waits for, release rows, and a nudge to the local publisher after each commit."""
+
+    def __init__(
+        self,
+        *,
+        index: Index,
+        committed: Callable[[], None] = lambda: None,
+        config_stored: Callable[[str, str], None] = lambda namespace, model: None,
+    ) -> None:
+        """``committed``: called after each commit here (the local publisher, if this process is it, reads the log
+        at once); ``config_stored``: called with a namespace and its model name when its config is stored here."""
+        self._index = index
+        self._brackets = Brackets()
+        self._releasing: set[asyncio.Task[None]] = set()
+        self._committed = committed
+        self._config_stored = config_stored
+
+    def note(self, key: str) -> LogNote | None:
+        bracket = _bracket.get()
+        token = None
+        if bracket is not None and bracket.key == key:
+            bracket.submitted = True  # its row, if any, now comes after every row queued so far
+            token = bracket.token
+        meta = writer_meta.get()
+        if meta is None:
+            return None if token is None else LogNote(token=token)
+        waits_for: tuple[int, ...] = ()
+        if meta.parent is not None:
+            with contextlib.suppress(InvalidKey):
+                k = parse_block_key(key)
+                parent = block_path(namespace=k.namespace, rank=k.rank, block_hash=meta.parent, group=k.group)
+                waits_for = self._brackets.hold_for(parent) if parent != key else ()
+        return LogNote(token_ids=meta.token_ids, parent=meta.parent, waits_for=waits_for, token=token)
+
+    def stored(self, record: BlockRecord) -> None:
+        self._wrote(record.key)
+
+    def removed(self, record: BlockRecord) -> None:
+        self._wrote(record.key)
+
+    def _wrote(self, key: str) -> None:
+        bracket = _bracket.get()
+        if bracket is not None and bracket.key == key:
+            bracket.wrote = True
+        self._committed()
+
+    @contextlib.asynccontextmanager
+    async def writing(self, key: str) -> AsyncIterator[None]:
+        bracket = self._brackets.begin(key)
+        reset = _bracket.set(bracket)
+        try:
+            yield
+        finally:
+            _bracket.reset(reset)
+            token = self._brackets.end(bracket)
+            if token is not None:
+                # children's rows wait for a row of this PUT: written before the PUT answers, so that a reader who saw
+                # the answer and then asks for the events finds them published
+                task = asyncio.get_running_loop().create_task(self._release(key, token), name="kvgate-events-release")
+                self._releasing.add(task)
+                task.add_done_callback(self._releasing.discard)
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(task)
+
+    async def _release(self, key: str, token: int) -> None:
+        try:
+            await self._index.event_release(key, token=token)
+        except KVGateError as exc:  # the publisher stops waiting after events_hold_s
+            log.warning("events: release row of key=%s not written: %s", key, exc)
+        self._committed()
+
+    def namespace_config(self, namespace: str, fields: Mapping[str, Any]) -> None:
+        model = fields.get("model_name")
+        if isinstance(model, str):
+            self._config_stored(namespace, model)
+
+    async def close(self) -> None:
+        await asyncio.gather(*self._releasing, return_exceptions=True)

@@ -36,6 +36,7 @@ import uuid
 from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 
+from app.core.event_sink import PutInProgress
 from app.core.versions import Change, Versions
 from app.errors import (
     BlockNotFound,
@@ -136,10 +137,17 @@ class PartAssembler:
         self._max_parts = max_parts
 
     async def put_part(
-        self, key: BlockKey, body: AsyncIterable[bytes], *, span: ByteSpan, part_digest: str | None
+        self,
+        key: BlockKey,
+        body: AsyncIterable[bytes],
+        *,
+        span: ByteSpan,
+        part_digest: str | None,
+        put: PutInProgress | None = None,
     ) -> PartOutcome:
+        """``put``: the PUT of this part, for the KV events (the object's change, if it completes it)."""
         if self._store.uploads:
-            return await self._put_in_place(key, body, span=span, part_digest=part_digest)
+            return await self._put_in_place(key, body, span=span, part_digest=part_digest, put=put)
         path = key.path
         existing, parts = await self._index.part_state(path)
         if existing is not None:
@@ -151,7 +159,7 @@ class PartAssembler:
         keep = False
         try:
             stored = await self._store.put(store_key, body, size=span.size, expected_digest=part_digest)
-            async with self._versions.change(path) as change:
+            async with self._versions.change(path, put=put) as change:
                 existing, parts = await self._index.part_state(path)
                 if existing is not None:  # completed by another writer while our bytes streamed
                     return PartOutcome(path, span, stored.digest, True, False, existing.digest)
@@ -176,7 +184,13 @@ class PartAssembler:
             return True
 
     async def _put_in_place(
-        self, key: BlockKey, body: AsyncIterable[bytes], *, span: ByteSpan, part_digest: str | None
+        self,
+        key: BlockKey,
+        body: AsyncIterable[bytes],
+        *,
+        span: ByteSpan,
+        part_digest: str | None,
+        put: PutInProgress | None,
     ) -> PartOutcome:
         """Stream the part's body to a staged file and check it, then, holding the key, copy it into the object's
         upload file (one index read and one write per part)."""
@@ -186,7 +200,7 @@ class PartAssembler:
         )
         try:
             digest = staged.meta.digest
-            async with self._versions.change(path) as change:
+            async with self._versions.change(path, put=put) as change:
                 existing, parts = await self._index.part_state(path)
                 if existing is not None:  # complete: by an earlier writer, or by another while our bytes arrived
                     return _complete(path, existing.size, existing.digest, span, digest)

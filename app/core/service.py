@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from app.core.arrivals import RECHECK_S
-from app.core.event_sink import NO_EVENTS, EventSink
+from app.core.event_sink import NO_EVENTS, EventSink, PutInProgress
 from app.core.memo import NamespaceMemo
 from app.core.parts import PartAssembler, PartOutcome
 from app.core.reads import OpenBlock
@@ -37,7 +37,7 @@ from contract.keys import (
     config_path,
     parse_namespace,
 )
-from contract.wire import ByteSpan
+from contract.wire import BlockMetaValue, ByteSpan
 
 log = logging.getLogger("kvgate.service")
 
@@ -113,12 +113,21 @@ class BlockService:
         size: int,
         digest: str | None,
         create_only: bool,
+        meta: BlockMetaValue | None = None,
     ) -> PutResult:
-        async with self._events.writing(key.path):  # its children's events wait for it (app/events/order.py)
-            return await self._put(key, body, size=size, digest=digest, create_only=create_only)
+        """``meta``: what the writer said of the block (``X-KVGate-Block-Meta``), for the KV events."""
+        async with self._events.writing(key.path, meta) as put:  # its children's events wait for it
+            return await self._put(key, body, size=size, digest=digest, create_only=create_only, put=put)
 
     async def _put(
-        self, key: BlockKey, body: AsyncIterable[bytes], *, size: int, digest: str | None, create_only: bool
+        self,
+        key: BlockKey,
+        body: AsyncIterable[bytes],
+        *,
+        size: int,
+        digest: str | None,
+        create_only: bool,
+        put: PutInProgress | None,
     ) -> PutResult:
         path = key.path
         await self._check_layout(key, size)
@@ -140,7 +149,7 @@ class BlockService:
             staged = await self._versions.stage(path, body, size=size, expected_digest=digest)
 
             async def commit() -> PutResult:
-                async with self._versions.change(path) as change:
+                async with self._versions.change(path, put=put) as change:
                     done = await change.commit(key, staged, expect=ABSENT if create_only else ANY)
                 if create_only and not done.written:
                     raise PreconditionFailed(f"{path!r} is present (If-None-Match: *)")
@@ -152,7 +161,14 @@ class BlockService:
             self._admission.release(namespace=key.namespace, size=size)
 
     async def put_part(
-        self, key: BlockKey, body: AsyncIterable[bytes], *, span: ByteSpan, part_digest: str | None, create_only: bool
+        self,
+        key: BlockKey,
+        body: AsyncIterable[bytes],
+        *,
+        span: ByteSpan,
+        part_digest: str | None,
+        create_only: bool,
+        meta: BlockMetaValue | None = None,
     ) -> PartOutcome:
         """Store one byte range of a multi-part object; the object is published when the parts cover it."""
         await self._check_layout(key, span.total)
@@ -160,8 +176,8 @@ class BlockService:
             raise PreconditionFailed(f"{key.path!r} is present (If-None-Match: *)")
         await self._admission.admit(namespace=key.namespace, size=span.size, replacing=0, whole=span.total)
         try:
-            async with self._events.writing(key.path):
-                return await self._parts.put_part(key, body, span=span, part_digest=part_digest)
+            async with self._events.writing(key.path, meta) as put:
+                return await self._parts.put_part(key, body, span=span, part_digest=part_digest, put=put)
         finally:
             self._admission.release(namespace=key.namespace, size=span.size)
 

@@ -39,7 +39,7 @@ from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 
 from app.core.arrivals import Arrivals
-from app.core.event_sink import NO_EVENTS, EventSink
+from app.core.event_sink import NO_EVENTS, EventSink, PutInProgress
 from app.core.keystate import KeyLocks, MetaCache
 from app.core.usage import Usage
 from app.errors import BackendUnavailable, CommitUnknown, IndexUnavailable, KVGateError, StagingExpired
@@ -158,19 +158,19 @@ class Versions:
     # -- changes ----------------------------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def change(self, key: str) -> AsyncIterator[Change]:
-        """Hold ``key`` for one change (see the module docstring)."""
+    async def change(self, key: str, *, put: PutInProgress | None = None) -> AsyncIterator[Change]:
+        """Hold ``key`` for one change (see the module docstring); ``put``: the PUT making it, for the KV events."""
         async with self._locks.hold(key) as held:
             self._cache.drop(key)
-            change = Change(self, key)
+            change = Change(self, key, put)
             yield change
         if change.made is not None:
             self._cache.made(change.made, epoch=held.end_epoch)
 
     # -- what a committed change moves ------------------------------------------------------------------------
 
-    def _stored(self, record: BlockRecord, old: BlockRecord | None) -> None:
-        self._events.stored(record)
+    def _stored(self, record: BlockRecord, old: BlockRecord | None, put: PutInProgress | None) -> None:
+        self._events.stored(record, put)
         self.arrivals.committed(record.key)
         self._moved(record.namespace, 0 if old else 1, record.size - (old.size if old else 0))
         if old is not None and self.store.versioned and old.stamp != record.stamp:
@@ -240,9 +240,10 @@ class Versions:
 class Change:
     """One key held for one change (``Versions.change``): its methods are the only ways its row and data move."""
 
-    def __init__(self, versions: Versions, key: str) -> None:
+    def __init__(self, versions: Versions, key: str, put: PutInProgress | None = None) -> None:
         self._v = versions
         self.key = key
+        self._put = put
         self.made: Version | None = None
         """The version this change left the key with, for the cache once the key is released."""
 
@@ -261,7 +262,8 @@ class Change:
         record = row_for(key, staged.meta, stamp=staged.stamp, created_at=time.time())
         intent = staged.stamp if v.store.versioned else None
         try:
-            swap = await v.index.swap_block(record, expect=expect, note=v._events.note(key.path), intent=intent)
+            note = v._events.note(key.path, self._put)
+            swap = await v.index.swap_block(record, expect=expect, note=note, intent=intent)
         except CommitUnknown as exc:
             try:
                 swap = await self._settle_swap(record, exc)
@@ -282,7 +284,7 @@ class Change:
             kept = None if swap.old is None else meta_of(swap.old)
             self.made = kept
             return Committed(meta=kept or meta_of(record), old=swap.old, written=False)
-        v._stored(record, swap.old)
+        v._stored(record, swap.old, self._put)
         await v.store.publish(staged)  # if this fails the row stays: recovery rolls the version forward
         self.made = meta_of(record)
         return Committed(meta=self.made, old=swap.old, written=True)
@@ -295,13 +297,13 @@ class Change:
         v = self._v
         record = row_for(key, stored, stamp=stored.stamp, created_at=time.time() if created_at is None else created_at)
         try:
-            swap = await v.index.swap_block(record, expect=expect, note=v._events.note(key.path))
+            swap = await v.index.swap_block(record, expect=expect, note=v._events.note(key.path, None))
         except CommitUnknown as exc:
             swap = await self._settle_swap(record, exc)
         if not swap.written:
             return Committed(meta=meta_of(swap.old) if swap.old else meta_of(record), old=swap.old, written=False)
         if swap.old is None or (swap.old.digest, swap.old.size) != (record.digest, record.size):
-            v._stored(record, swap.old)  # other bytes: a new version; a re-stamp of the same bytes is not news
+            v._stored(record, swap.old, None)  # other bytes: a new version; a re-stamp of the same bytes is not news
         self.made = meta_of(record)
         return Committed(meta=self.made, old=swap.old, written=True)
 

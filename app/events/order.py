@@ -31,6 +31,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
+from app.core.event_sink import PutInProgress
+from contract.wire import BlockMetaValue
+
 log = logging.getLogger("kvgate.events")
 
 
@@ -210,33 +213,20 @@ def parents_first(events: Sequence[T]) -> list[T]:
     return out
 
 
-@dataclass(eq=False)
-class Bracket:
-    """One PUT of ``key`` in progress in this process."""
-
-    key: str
-    submitted: bool = False
-    """Its change's transaction is queued (its row, if any, comes after every row queued before)."""
-    wrote: bool = False
-    """It committed a row of its key."""
-    token: int | None = None
-    """Set when a child's row first waits for it: its rows (a store or a release) carry it."""
-
-
 @dataclass
 class Brackets:
     """The PUTs in progress in this process, for the event-log row of a child: the PUTs of its parent in progress here
     that have not queued their transaction; each one's row (its store, or, if it writes none, the release row
     written when it ends) comes after the child's in the log, with its token."""
 
-    _open: dict[str, list[Bracket]] = field(default_factory=dict)
+    _open: dict[str, list[PutInProgress]] = field(default_factory=dict)
 
-    def begin(self, key: str) -> Bracket:
-        bracket = Bracket(key)
+    def begin(self, key: str, meta: BlockMetaValue | None = None) -> PutInProgress:
+        bracket = PutInProgress(key, meta)
         self._open.setdefault(key, []).append(bracket)
         return bracket
 
-    def end(self, bracket: Bracket) -> int | None:
+    def end(self, bracket: PutInProgress) -> int | None:
         """The PUT ended; its token if children's rows wait for a row of it that it did not write (a release row is
         due)."""
         brackets = self._open.get(bracket.key)

@@ -7,20 +7,16 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
-from contextvars import ContextVar
 from typing import Any
 
+from app.core.event_sink import PutInProgress
 from app.errors import KVGateError
-from app.events.meta import writer_meta
-from app.events.order import Bracket, Brackets
+from app.events.order import Brackets
 from app.index import BlockRecord, Index, LogNote
 from contract.keys import InvalidKey, block_path, parse_block_key
+from contract.wire import BlockMetaValue
 
 log = logging.getLogger("kvgate.events")
-
-
-_bracket: ContextVar[Bracket | None] = ContextVar("kvgate_events_bracket", default=None)
-"""The PUT the current task is part of (its commit runs in a task that inherits it)."""
 
 
 class EventWriter:
@@ -42,13 +38,12 @@ class EventWriter:
         self._committed = committed
         self._config_stored = config_stored
 
-    def note(self, key: str) -> LogNote | None:
-        bracket = _bracket.get()
+    def note(self, key: str, put: PutInProgress | None) -> LogNote | None:
         token = None
-        if bracket is not None and bracket.key == key:
-            bracket.submitted = True  # its row, if any, now comes after every row queued so far
-            token = bracket.token
-        meta = writer_meta.get()
+        if put is not None and put.key == key:
+            put.submitted = True  # its row, if any, now comes after every row queued so far
+            token = put.token
+        meta = put.meta if put is not None else None
         if meta is None:
             return None if token is None else LogNote(token=token)
         waits_for: tuple[int, ...] = ()
@@ -57,29 +52,23 @@ class EventWriter:
                 k = parse_block_key(key)
                 parent = block_path(namespace=k.namespace, rank=k.rank, block_hash=meta.parent, group=k.group)
                 waits_for = self._brackets.hold_for(parent) if parent != key else ()
-        return LogNote(token_ids=meta.token_ids, parent=meta.parent, waits_for=waits_for, token=token)
+        return LogNote(token_ids=meta.tokens, parent=meta.parent, waits_for=waits_for, token=token)
 
-    def stored(self, record: BlockRecord) -> None:
-        self._wrote(record.key)
+    def stored(self, record: BlockRecord, put: PutInProgress | None) -> None:
+        if put is not None and put.key == record.key:
+            put.wrote = True
+        self._committed()
 
     def removed(self, record: BlockRecord) -> None:
-        self._wrote(record.key)
-
-    def _wrote(self, key: str) -> None:
-        bracket = _bracket.get()
-        if bracket is not None and bracket.key == key:
-            bracket.wrote = True
         self._committed()
 
     @contextlib.asynccontextmanager
-    async def writing(self, key: str) -> AsyncIterator[None]:
-        bracket = self._brackets.begin(key)
-        reset = _bracket.set(bracket)
+    async def writing(self, key: str, meta: BlockMetaValue | None) -> AsyncIterator[PutInProgress | None]:
+        put = self._brackets.begin(key, meta)
         try:
-            yield
+            yield put
         finally:
-            _bracket.reset(reset)
-            token = self._brackets.end(bracket)
+            token = self._brackets.end(put)
             if token is not None:
                 # children's rows wait for a row of this PUT: written before the PUT answers, so that a reader who saw
                 # the answer and then asks for the events finds them published

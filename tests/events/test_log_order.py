@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from app.events.meta import WriterMeta, writer_meta
 from app.events.model import Batch
 from app.events.publisher import Publisher
 from app.events.writer import EventWriter
+from contract.wire import BlockMetaValue
 from tests.conftest import key_for
 from tests.events.log_harness import log_index, record, sqlite_url
 
@@ -60,15 +60,15 @@ def test_random_puts_through_the_log_parents_first(seed: int, tmp_path: Path) ->
             must_follow: list[tuple[str, set[int]]] = []  # (child's digest, the parent's PUTs in progress then)
 
             async def put(p: Put) -> None:
-                async with writer.writing(p.key):
+                meta = BlockMetaValue(parent=hashes[p.parent] if p.parent else None, tokens=(p.n,))
+                async with writer.writing(p.key, meta) as progress:
                     await p.go.wait()
                     if p.commit:
                         digest = f"{p.n:064x}"
-                        writer_meta.set(WriterMeta(token_ids=(p.n,), parent=hashes[p.parent] if p.parent else None))
                         rec = record(p.key, digest=digest)
-                        swap = await index.swap_block(rec, note=writer.note(p.key))
+                        swap = await index.swap_block(rec, note=writer.note(p.key, progress))
                         assert swap.written
-                        writer.stored(rec)
+                        writer.stored(rec, progress)
                         made.append((p.key, digest))
                         stored_by[p.n] = digest
                         if p.parent is not None:

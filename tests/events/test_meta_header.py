@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from app.events.meta import MAX_META_TOKENS, WriterMeta, parse_meta_header
 from app.events.wire import wire_hash
-from contract.wire import MalformedHeader, format_block_meta
+from contract.wire import MAX_BLOCK_META_TOKENS as MAX_META_TOKENS
+from contract.wire import BlockMetaValue, MalformedHeader, format_block_meta, parse_block_meta
 
 PARENT = "ab" * 32
 
 
 def test_parse() -> None:
-    assert parse_meta_header(f"parent={PARENT.upper()}; tokens=1,2,3") == WriterMeta((1, 2, 3), PARENT)
-    assert parse_meta_header("tokens=5") == WriterMeta((5,), None)
-    assert parse_meta_header("") == WriterMeta((), None)
+    assert parse_block_meta(f"parent={PARENT.upper()}; tokens=1,2,3") == BlockMetaValue(PARENT, (1, 2, 3))
+    assert parse_block_meta("tokens=5") == BlockMetaValue(None, (5,))
+    assert parse_block_meta("") == BlockMetaValue(None, ())
 
 
 @pytest.mark.parametrize(
@@ -37,7 +37,7 @@ def test_parse() -> None:
 )
 def test_refused(value: str) -> None:
     with pytest.raises(MalformedHeader):
-        parse_meta_header(value)
+        parse_block_meta(value)
 
 
 def test_wire_hash_is_vllms_default_form() -> None:
@@ -50,11 +50,11 @@ def test_wire_hash_is_vllms_default_form() -> None:
 def test_format_round_trips_and_stays_within_the_limits() -> None:
     meta = format_block_meta(parent=bytes.fromhex(PARENT), tokens=[0, 7, 151643])
     assert meta == f"parent={PARENT}; tokens=0,7,151643"
-    assert parse_meta_header(meta) == WriterMeta((0, 7, 151643), PARENT)
-    assert parse_meta_header(format_block_meta(parent=None, tokens=[5]) or "") == WriterMeta((5,), None)
+    assert parse_block_meta(meta) == BlockMetaValue(PARENT, (0, 7, 151643))
+    assert parse_block_meta(format_block_meta(parent=None, tokens=[5]) or "") == BlockMetaValue(None, (5,))
     assert format_block_meta(parent=None, tokens=[]) is None  # nothing to say: no header
     assert format_block_meta(parent=PARENT, tokens=[1] * (MAX_META_TOKENS + 1)) is None  # the gateway would refuse it
     longest = format_block_meta(parent=PARENT, tokens=[10**11 - 1] * MAX_META_TOKENS)
     assert longest is None  # over 8 KiB
     fits = format_block_meta(parent=PARENT, tokens=[99999] * MAX_META_TOKENS)
-    assert fits is not None and parse_meta_header(fits).token_ids == (99999,) * MAX_META_TOKENS
+    assert fits is not None and parse_block_meta(fits).tokens == (99999,) * MAX_META_TOKENS

@@ -228,3 +228,10 @@ def test_the_core_does_not_probe_its_collaborators() -> None:
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
     ]
     assert probes == []
+
+
+def test_app_passes_state_as_parameters_not_context_variables() -> None:
+    """A PUT's block meta reaches the index as a parameter (app/core/event_sink.py), not through a ``ContextVar``
+    that no signature on the way mentions."""
+    users = sorted(mod for mod, imports in GRAPH.items() if _under(mod, "app") and "contextvars.ContextVar" in imports)
+    assert users == []

@@ -17,7 +17,6 @@ from app.config import Settings
 from app.core.reads import OpenBlock, vouch_range
 from app.core.service import BlockService
 from app.errors import InvalidRequest, LengthRequired, PayloadTooLarge
-from app.events.meta import parse_meta_header, writer_meta
 from app.storage.base import Version
 from contract import wire
 from contract.keys import BlockKey, parse_block_key
@@ -116,6 +115,7 @@ async def _put_part(
     content_length: int,
     part_digest: str | None,
     create_only: bool,
+    meta: wire.BlockMetaValue | None,
 ) -> Response:
     """One rank's byte range of a multi-part object: 202 stored, 201 it completed the object, 200 nothing new."""
     if span.size != content_length:
@@ -126,6 +126,7 @@ async def _put_part(
         span=span,
         part_digest=part_digest,
         create_only=create_only,
+        meta=meta,
     )
     body = PartResponse(
         key=out.key,
@@ -190,8 +191,7 @@ async def put_block(
     ] = None,
 ) -> Response:
     key = parse_block_key(path)
-    if x_kvgate_block_meta is not None:
-        writer_meta.set(parse_meta_header(x_kvgate_block_meta))
+    meta = wire.parse_block_meta(x_kvgate_block_meta) if x_kvgate_block_meta is not None else None
     if content_length is None:
         raise LengthRequired("Content-Length is required")
     if content_length > cfg.max_block_bytes:
@@ -217,6 +217,7 @@ async def put_block(
                 )
             ),
             create_only=if_none_match is not None,
+            meta=meta,
         )
     result = await svc.put(
         key,
@@ -224,6 +225,7 @@ async def put_block(
         size=content_length,
         digest=_token(wire.parse_request_checksum(x_kvgate_checksum, x_kvgate_sha256)),
         create_only=if_none_match is not None,
+        meta=meta,
     )
     body = PutResponse(key=result.meta.key, size=result.meta.size, digest=result.meta.digest, created=result.created)
     return Response(

@@ -38,11 +38,10 @@ from app.api.middleware.limits import UploadSlots
 from app.api.middleware.metrics import RequestRecorder, route_template
 from app.api.middleware.principals import Principals
 from app.api.routes.thin import find_exception_handler
-from app.events.meta import WriterMeta, parse_meta_header, writer_meta
 from app.storage.base import BodyPieces
 from contract import wire
 from contract.keys import BlockKey, InvalidKey, parse_block_key
-from contract.wire import BLOCK_META_HEADER, CHECKSUM_HEADER, DIGEST_HEADER
+from contract.wire import BLOCK_META_HEADER, CHECKSUM_HEADER, DIGEST_HEADER, BlockMetaValue
 
 log = logging.getLogger("uvicorn.error")  # where uvicorn logs an ASGI app's unhandled exception
 
@@ -71,7 +70,7 @@ class LanePut:
     size: int
     digest: str | None
     create_only: bool
-    meta: WriterMeta | None
+    meta: BlockMetaValue | None
     scope: Any
     """The request's ASGI scope (for an exception handler's Request)."""
     began: float
@@ -133,7 +132,7 @@ class PutLane:
             key = parse_block_key(path[len(self.prefix) :])
             checksum = wire.parse_request_checksum(seen.get(_CHECKSUM), seen.get(_DIGEST))
             meta_value = seen.get(_META)
-            meta = parse_meta_header(meta_value) if meta_value is not None else None
+            meta = wire.parse_block_meta(meta_value) if meta_value is not None else None
         except (InvalidKey, wire.WireError):
             return None  # the stack answers the error
         if not may_write(self._principals, scope, key.namespace):
@@ -159,11 +158,14 @@ class PutLane:
     async def store(self, put: LanePut, chunks: list[bytes]) -> Answer:
         """``BlockService.put`` of the body's chunks, answered as the route answers (its slot given back)."""
         try:
-            if put.meta is not None:
-                writer_meta.set(put.meta)  # this task's own context
             try:
                 result = await self._service.put(
-                    put.key, BodyPieces(chunks), size=put.size, digest=put.digest, create_only=put.create_only
+                    put.key,
+                    BodyPieces(chunks),
+                    size=put.size,
+                    digest=put.digest,
+                    create_only=put.create_only,
+                    meta=put.meta,
                 )
             except Exception as exc:
                 return await self._error(put, exc)

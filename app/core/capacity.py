@@ -65,10 +65,10 @@ class Capacity:
 
     async def refresh(self) -> Usage:
         """Read usage from the index (exact as of the last commit of any process); the view, refreshed. The read
-        is ordered with this process's commits (``Index.usage_by_namespace``), so none is counted twice; while a
+        is ordered with this process's commits (``Scans.usage_by_namespace``), so none is counted twice; while a
         commit's outcome is being settled (``Usage.settling``) the view is kept as it is (it moves by that commit
         once known)."""
-        rows = await self._index.usage_by_namespace()
+        rows = await self._index.scans.usage_by_namespace()
         if not self.usage.settling:
             self.usage.reset(rows)
         return self.usage
@@ -187,8 +187,8 @@ class Capacity:
         return evicted
 
     async def _choose(self, target_bytes: int, namespace: str | None) -> list[BlockRecord | Upload]:
-        blocks = await self._index.lru_candidates(limit=self.batch, namespace=namespace)
-        uploads = await self._index.uploads(namespace=namespace)
+        blocks = await self._index.scans.lru_candidates(limit=self.batch, namespace=namespace)
+        uploads = await self._index.scans.uploads(namespace=namespace)
         ordered: list[tuple[float, BlockRecord | Upload]] = [(c.last_access, c) for c in blocks]
         ordered += [(u.last_part_at, u) for u in uploads]
         ordered.sort(key=lambda item: item[0])

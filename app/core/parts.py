@@ -155,7 +155,7 @@ class PartAssembler:
         if _check_against(parts, span, part_digest) is None:  # fail fast, before any byte is kept
             self._check_room(parts, span)
         store_key = f"{PARTS_PREFIX}{path}/{span.start}-{span.end}.{uuid.uuid4().hex}"
-        await self._index.add_intent(key=store_key)  # before the object exists: no sweep takes it while staged
+        await self._index.staging.add_intent(key=store_key)  # before the object exists: no sweep takes it while staged
         keep = False
         try:
             stored = await self._store.put(store_key, body, size=span.size, expected_digest=part_digest)
@@ -173,7 +173,7 @@ class PartAssembler:
             if not keep:
                 with contextlib.suppress(Exception):
                     await self._store.delete(store_key)
-                    await self._index.drop_intent(key=store_key)
+                    await self._index.staging.drop_intent(key=store_key)
 
     async def _named(self, path: str, store_key: str) -> bool:
         """A part row of ``path`` names ``store_key`` (read as ``Versions`` reads a row back); True when that cannot

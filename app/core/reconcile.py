@@ -143,7 +143,7 @@ async def reconcile(
         report.temp_removed += outcome == "dropped"
         report.rolled_forward += outcome == "rolled"
 
-    rows = await index.block_versions()
+    rows = await index.scans.block_versions()
     listed: dict[str, ObjectInfo] = {}  # the object each key's reader would open (a versioned store: the row's)
     extra: list[ObjectInfo] = []  # versions no row named when listed (S3): uncommitted, or replaced
     others: list[str] = []
@@ -216,7 +216,7 @@ async def reconcile(
         if await _deferring(upkeep.retire_unnamed(info.key, stamp=info.stamp, older_than_s=unnamed_age), report):
             report.stale_versions_removed += 1
     swept = {(info.key, info.stamp) for info in extra} | {(info.key, PART) for info in part_objects}
-    for key, stamp in await index.expired_intents(older_than_s=unnamed_age):  # writers gone, objects not listed
+    for key, stamp in await index.staging.expired_intents(older_than_s=unnamed_age):  # writers gone, objects not listed
         if (key, stamp) in swept:
             continue
         if stamp != PART:
@@ -225,7 +225,7 @@ async def reconcile(
             await _deferring(_retire_part_object(store, index, key, older_than_s=unnamed_age), report)
 
     # the tail: each step (a config, the idle uploads' sweep, a part object) deferred alone, as a key's above
-    known = set(await index.namespace_names())
+    known = set(await index.scans.namespace_names())
     for key in others:
         before = len(known)
         config = await _deferring(_adopt_config(store, index, key, known), report)
@@ -242,7 +242,9 @@ async def reconcile(
     async def sweep(info: ObjectInfo) -> None:  # data of a part whose row never committed (or was dropped above)
         if store.uploads and info.mtime > cutoff:
             return
-        if not store.uploads and not await index.claim_part_object(store_key=info.key, older_than_s=unnamed_age):
+        if not store.uploads and not await index.staging.claim_part_object(
+            store_key=info.key, older_than_s=unnamed_age
+        ):
             return  # being written (its intent is young by the index's clock), or recorded since the listing
         report.part_objects_removed += int(await store.delete(info.key))
 
@@ -252,7 +254,7 @@ async def reconcile(
     empty = store.remove_empty_dirs(PARTS_PREFIX, older_than_s=stale_parts_s)
     report.part_dirs_removed = await _deferring(empty, report) or 0
 
-    usage = await index.namespace_usage()
+    usage = await index.scans.namespace_usage()
     report.blocks = sum(u.blocks for u in usage)
     report.bytes = sum(u.bytes for u in usage)
     report.seconds = time.monotonic() - began
@@ -275,11 +277,11 @@ async def reconcile(
 
 async def _described_parts(index: Index) -> set[str]:
     """The store keys of every part an upload's rows describe."""
-    return {p.store_key for u in await index.uploads() for p in await index.get_parts(u.key)}
+    return {p.store_key for u in await index.scans.uploads() for p in await index.get_parts(u.key)}
 
 
 async def _retire_part_object(store: BlockStore, index: Index, key: str, *, older_than_s: float) -> None:
-    if await index.claim_part_object(store_key=key, older_than_s=older_than_s):
+    if await index.staging.claim_part_object(store_key=key, older_than_s=older_than_s):
         await store.delete(key)
 
 

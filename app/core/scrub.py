@@ -132,7 +132,7 @@ class Scrub:
         began = time.monotonic()
         report = ScrubReport()
         pace = Pace(self.bytes_per_s)
-        keys = sorted(await self._index.block_versions())
+        keys = sorted(await self._index.scans.block_versions())
         self.pass_done, self.pass_total = 0, len(keys)
         for key in keys:
             try:

@@ -119,9 +119,9 @@ class Upkeep:
     async def drop_idle_uploads(self, *, idle_s: float) -> int:
         """Drop every upload with no part for ``idle_s`` seconds (a writer that died mid-object); how many. Parts
         are timed by the index's clock, and so is the cutoff: never this machine's clock against another's."""
-        cutoff = await self._index.db_now() - idle_s
+        cutoff = await self._index.staging.db_now() - idle_s
         dropped = 0
-        for upload in await self._index.uploads():
+        for upload in await self._index.scans.uploads():
             if upload.last_part_at < cutoff and await self.drop_upload(upload, idle_since=cutoff):
                 dropped += 1
         return dropped
@@ -131,7 +131,7 @@ class Upkeep:
     async def purge(self, namespace: str) -> PurgeReport:
         """Remove a namespace: its blocks (rows, then data), data no row describes, incomplete uploads, config."""
         parse_namespace(namespace)  # InvalidKey: a 400
-        blocks = await self._index.namespace_blocks(namespace)
+        blocks = await self._index.scans.namespace_blocks(namespace)
         has_config = await self._index.get_namespace(namespace) is not None
         known = {k for k, _ in blocks}
         orphans: list[str] = []
@@ -141,7 +141,7 @@ class Upkeep:
                     orphans.append(info.key)
             except InvalidKey:
                 continue
-        uploads = [u.key for u in await self._index.uploads(namespace=namespace)]
+        uploads = [u.key for u in await self._index.scans.uploads(namespace=namespace)]
         if not blocks and not has_config and not orphans and not uploads:
             raise NamespaceNotFound(namespace)
         sem = asyncio.Semaphore(REMOVE_CONCURRENCY)
@@ -323,7 +323,7 @@ class Upkeep:
                 row = await change.row()
                 if row is None or row.stamp is None:
                     return False
-            elif not await self._index.claim_version(key=key, stamp=stamp, older_than_s=older_than_s):
+            elif not await self._index.staging.claim_version(key=key, stamp=stamp, older_than_s=older_than_s):
                 return False
             return await self._store.remove(key, stamp=stamp)
 
@@ -331,9 +331,9 @@ class Upkeep:
 
     async def views(self, namespace: str | None = None) -> NamespaceViews:
         await self._index.flush_access()  # reads of the last flush interval count
-        usage = await self._index.namespace_usage(namespace)
+        usage = await self._index.scans.namespace_usage(namespace)
         if namespace is None:
-            configured = set(await self._index.namespace_names())
+            configured = set(await self._index.scans.namespace_names())
         else:
             configured = {namespace} if await self._index.get_namespace(namespace) is not None else set()
         return NamespaceViews(usage=usage, configured=configured)

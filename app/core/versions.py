@@ -216,7 +216,7 @@ class Versions:
         commit, and the commit is refused once a sweep has taken it, whatever the machines' clocks say."""
         stamp = self.store.new_stamp()
         if stamp is not None:
-            await self.index.add_intent(key=key, stamp=stamp)
+            await self.index.staging.add_intent(key=key, stamp=stamp)
         try:
             return await self.store.stage(
                 key, body, size=size, expected_digest=expected_digest, algorithm=algorithm, stamp=stamp
@@ -224,7 +224,7 @@ class Versions:
         except BaseException:
             if stamp is not None:
                 with contextlib.suppress(KVGateError):  # else an old intent, which a sweep removes
-                    await self.index.drop_intent(key=key, stamp=stamp)
+                    await self.index.staging.drop_intent(key=key, stamp=stamp)
             raise
 
     async def discard(self, staged: Staged, *, intent: bool = True) -> None:
@@ -232,7 +232,7 @@ class Versions:
         try:
             await self.store.discard(staged)
             if intent and self.store.versioned:
-                await self.index.drop_intent(key=staged.key, stamp=staged.stamp)
+                await self.index.staging.drop_intent(key=staged.key, stamp=staged.stamp)
         except KVGateError as exc:  # a leftover: the next sweep removes it (no row names it)
             log.warning("could not drop staged data key=%s: %s", staged.key, exc)
 

@@ -18,8 +18,8 @@ Three parts, each in its own module of this package (``app/events``):
 
 ``AllBlocksCleared`` is never sent: a restart clears nothing in the shared tier.
 
-The modules: ``model`` (an event, a batch), ``writer`` (:class:`EventWriter`), ``meta`` (the writer's block meta
-header), ``order`` (parents first), ``wire`` (vLLM's format, topics), ``publisher``, ``zmq_outlet``, ``feed``, and
-``setup`` (a process's parts, from its settings). The core knows only ``app.core.event_sink.EventSink``; nothing in
-``app.core`` or ``app.index`` imports this package.
+The modules: ``model`` (an event, a batch), ``writer`` (:class:`EventWriter`; the block meta is
+``contract.wire.BlockMetaValue``), ``order`` (parents first), ``wire`` (vLLM's format, topics), ``publisher``,
+``zmq_outlet``, ``feed``, and ``setup`` (a process's parts, from its settings). The core knows only
+``app.core.event_sink.EventSink``; nothing in ``app.core`` or ``app.index`` imports this package.
 """

@@ -47,24 +47,24 @@ class EventFeed:
         committed before this call (waits, at most ``sync_s``, until the publisher has covered them: a subscriber
         that starts there misses none of them, and one that saw a change acknowledged finds its event before)."""
         loop = asyncio.get_running_loop()
-        head = await self._index.event_head()
+        head = await self._index.event_log.head()
         deadline = loop.time() + self._sync_s
         while True:
-            state = await self._index.event_state()
+            state = await self._index.event_log.state()
             left = deadline - loop.time()
             if (state is not None and state.last_id >= head) or left <= 0 or self._closed:
                 break
             await self._wait(min(self._poll_s, left))
         next_seq = state.next_seq if state is not None else 0
-        first = await self._index.event_first_seq()
+        first = await self._index.event_log.first_seq()
         return (next_seq if first is None else first), next_seq
 
     async def read(self, since: int, *, limit: int = READ_BATCHES) -> list[Batch]:
         """Stored batches from number ``since`` on, oldest first, with their events."""
-        logged = await self._index.event_batches(since=since, limit=limit)
+        logged = await self._index.event_log.batches(since=since, limit=limit)
         if not logged:
             return []
-        rows = await self._index.event_rows_by_id([i for b in logged for i in b.ids])
+        rows = await self._index.event_log.rows_by_id([i for b in logged for i in b.ids])
         out: list[Batch] = []
         for b in logged:
             events: list[Event] = []

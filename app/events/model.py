@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from app.events.meta import WriterMeta
 from app.events.wire import EventCodec
 from app.index.eventlog import STORED, LogRow
 from contract.keys import block_path, parse_block_key
+from contract.wire import BlockMetaValue
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +23,7 @@ class Event:
     rank: int
     size: int
     digest: str | None = None
-    meta: WriterMeta | None = None
+    meta: BlockMetaValue | None = None
     wire: bytes = b""
     """The event in vLLM's format, encoded when it was read; empty when nothing publishes that format."""
     id: int = 0
@@ -49,7 +49,7 @@ class Event:
         if self.kind == "stored":
             out["digest"] = self.digest
         if self.meta is not None:
-            out["token_ids"] = list(self.meta.token_ids)
+            out["token_ids"] = list(self.meta.tokens)
             out["parent_block_hash"] = self.meta.parent
         return out
 
@@ -59,14 +59,16 @@ def event_of(row: LogRow, codec: EventCodec | None) -> Event:
     not a block's, which no change writes)."""
     k = parse_block_key(row.key)
     kind: Literal["stored", "removed"] = "stored" if row.kind == STORED else "removed"
-    meta = None if row.tokens is None and row.parent is None else WriterMeta(row.tokens or (), row.parent)
+    meta = None
+    if row.tokens is not None or row.parent is not None:
+        meta = BlockMetaValue(parent=row.parent, tokens=row.tokens or ())
     wire = b""
     if codec is not None:
         wire = codec.encode(
             kind=kind,
             block_hash=k.block_hash,
             group=k.group,
-            token_ids=meta.token_ids if meta is not None else (),
+            token_ids=meta.tokens if meta is not None else (),
             parent=meta.parent if meta is not None else None,
         )
     digest = row.digest if row.kind == STORED else None

@@ -106,7 +106,7 @@ class Publisher:
     async def resume(self) -> None:
         """Take a new term and start from the stored state (the rows it held are read again and held again, for the
         rows they still await)."""
-        state = await self._index.event_claim()
+        state = await self._index.event_log.claim()
         self._term, self._next_seq, self._last_id = state.term, state.next_seq, state.last_id
         self._order = ParentFirst(max_held=MAX_HELD)
         self._ready = []
@@ -119,9 +119,9 @@ class Publisher:
             # Every configured namespace's model name, now: a row is encoded after its change committed, and a purge
             # removes the config right after its blocks' rows, so a publisher that first met the namespace in those
             # rows found no config and sent them under another topic (the router kept the blocks).
-            await models.load(n for n in await self._index.namespace_names() if not models.known(n))
+            await models.load(n for n in await self._index.scans.namespace_names() if not models.known(n))
         if state.held:  # parents first: a child held behind its parent, itself held, has the smaller id
-            rows = await self._index.event_rows_by_id(state.held)
+            rows = await self._index.event_log.rows_by_id(state.held)
             events = [e for row_id in sorted(rows) if (e := self._encode(rows[row_id])) is not None]
             for event in parents_first(events):
                 self._ready += self._order.add(event)
@@ -129,10 +129,10 @@ class Publisher:
     async def round(self) -> int:
         """Publish what the log holds past the last row covered; the number of batches sent. IndexUnavailable: the
         round was not stored (``resume`` before the next); LostTurn: another publisher took over."""
-        safe = self._horizon.advance(await self._index.event_snapshot())
+        safe = self._horizon.advance(await self._index.event_log.snapshot())
         rows: list[LogRow] = []
         if safe > self._last_id:
-            rows = await self._index.event_rows(after=self._last_id, upto=safe, limit=ROWS_PER_ROUND)
+            rows = await self._index.event_log.rows(after=self._last_id, upto=safe, limit=ROWS_PER_ROUND)
         self.behind = len(rows) == ROWS_PER_ROUND
         ready, self._ready = self._ready, []
         for row in rows:
@@ -143,7 +143,7 @@ class Publisher:
         last_id = rows[-1].id if rows else self._last_id
         batches = await self._batches(ready)
         self._rounds += 1
-        ok = await self._index.event_persist(
+        ok = await self._index.event_log.persist(
             term=self._term,
             batches=[LoggedBatch(b.seq, b.ts, b.topic, tuple(e.id for e in b.events)) for b in batches],
             next_seq=self._next_seq + len(batches),

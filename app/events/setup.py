@@ -53,7 +53,7 @@ def model_lookup(index: Index) -> Callable[[str], Awaitable[str | None]]:
     async def model_name(namespace: str) -> str | None:
         record = await index.get_namespace(namespace)
         if record is None:
-            return await index.event_config_model(namespace)
+            return await index.event_log.config_model(namespace)
         name = record.fields.get("model_name")
         return name if isinstance(name, str) else None
 
@@ -66,7 +66,7 @@ async def event_parts(settings: Settings, *, index: Index) -> EventParts | None:
     gap in the first batch, and one that comes later asks the replay socket from 0 for what it missed."""
     if not settings.events_enabled:
         return None
-    await index.event_init(first_seq=FIRST_SEQ)
+    await index.event_log.init(first_seq=FIRST_SEQ)
 
     models = ModelNames(model_lookup(index))
     wake = asyncio.Event()

@@ -80,7 +80,7 @@ class EventWriter:
 
     async def _release(self, key: str, token: int) -> None:
         try:
-            await self._index.event_release(key, token=token)
+            await self._index.event_log.release(key, token=token)
         except KVGateError as exc:  # the publisher stops waiting after events_hold_s
             log.warning("events: release row of key=%s not written: %s", key, exc)
         self._committed()

@@ -2,7 +2,7 @@
 
 **Writing.** While the index logs events (``Index(events=True)``: every process reads the same setting, so a gateway,
 ``kvgate gc`` and ``kvgate import`` agree), ``Index.swap_block`` and ``Index.remove_block`` add the change's row in
-the change's own transaction (``EventLogOps._log``, inside their ``run(conn)``): a row exists iff its change
+the change's own transaction (``EventLog._log``, inside their ``run(conn)``): a row exists iff its change
 committed, whoever committed it. A swap is news when the key had no row or other bytes (a re-stamp of the same bytes
 is not). The writer's block meta and the PUTs of the parent it waits for come with the call (``LogNote``).
 
@@ -22,7 +22,7 @@ runs is neither listed in it nor below its xmin (found by the router's-eye test:
 
 **Publishing** (app/events/publisher.py) stores each batch (its sequence number, topic and rows) with the new
 next number, the last row covered and the rows held for their parents, in one transaction conditional on the
-publisher's term (``event_persist``): a publisher that lost its turn can write nothing. The log is trimmed below the
+publisher's term (``EventLog.persist``): a publisher that lost its turn can write nothing. The log is trimmed below the
 oldest batch kept.
 """
 
@@ -45,7 +45,7 @@ STORED, REMOVED, RELEASE, CONFIG_REMOVED = 0, 1, 2, 3
 """Kinds of log rows: a block's version stored, its row removed, a PUT of the key ended without a store, a
 namespace's config removed (the key is the namespace; the row names the config's model)."""
 STREAM = "kv"
-"""The one stream's name in ``event_state``."""
+"""The one stream's name in the ``event_state`` table."""
 ROWS_CHUNK = 2000
 
 
@@ -150,7 +150,7 @@ def _log_row(r: Any) -> LogRow:
 
 
 _LOGGED = ("kind", "key", "size", "digest", "tokens", "parent", "waits_for", "token")
-"""The columns a change's row is written with, in the order of ``EventLogOps._log``'s values."""
+"""The columns a change's row is written with, in the order of ``EventLog._log``'s values."""
 
 _COLUMNS = (
     EventLogRow.id,
@@ -166,10 +166,14 @@ _COLUMNS = (
 )
 
 
-class EventLogOps(GroupCommit):
-    """The index's event log (see the module doc); ``logs_events`` says whether changes write rows."""
+class EventLog:
+    """The index's event log (see the module doc), through the index's group commit. The index calls
+    :meth:`stored`, :meth:`removed` and :meth:`config_removed` inside a change's transaction; the events wing
+    (app/events) reads and writes the rest. ``enabled`` says whether changes write rows."""
 
-    logs_events: bool = False
+    def __init__(self, commits: GroupCommit, *, enabled: bool) -> None:
+        self._commits = commits
+        self.enabled = enabled
 
     # -- in a change's transaction ----------------------------------------------------------------------------
 
@@ -180,14 +184,14 @@ class EventLogOps(GroupCommit):
     @functools.cached_property
     def _log_sqlite(self) -> str:
         """The insert as SQLite's own SQL, compiled once (run on the driver's cursor, as the swap is)."""
-        compiled = self._log_insert.compile(dialect=self.engine.dialect)
+        compiled = self._log_insert.compile(dialect=self._commits.engine.dialect)
         if tuple(compiled.positiontup or ()) != _LOGGED:
             raise RuntimeError(f"event_log insert binds {compiled.positiontup}, expected {_LOGGED}")
         return str(compiled)
 
     def _log(self, conn: Connection, *, kind: int, key: str, size: int, digest: str, note: LogNote | None) -> None:
         """Add a change's row (only after the transaction has written: see Order in the module doc)."""
-        if not self.logs_events:
+        if not self.enabled:
             return
         values = (
             kind,
@@ -199,42 +203,46 @@ class EventLogOps(GroupCommit):
             _join(note.waits_for) if note is not None and note.waits_for else None,
             None if note is None else note.token,
         )
-        if self._dialect == "sqlite":
+        if self._commits.dialect == "sqlite":
             driver = conn.connection.dbapi_connection
             if driver is not None:
                 driver.execute(self._log_sqlite, values)
                 return
         conn.execute(self._log_insert, dict(zip(_LOGGED, values, strict=True)))
 
-    def _log_stored(self, conn: Connection, *, record: BlockRecord, swap: Swap, note: LogNote | None) -> None:
+    def stored(self, conn: Connection, *, record: BlockRecord, swap: Swap, note: LogNote | None) -> None:
         """The row of a swap that wrote other bytes than the key's row held, or a new key (a re-stamp of the same
         bytes is not news)."""
         old = swap.old
         if swap.written and (old is None or (old.digest, old.size) != (record.digest, record.size)):
             self._log(conn, kind=STORED, key=record.key, size=record.size, digest=record.digest, note=note)
 
-    def _log_config_removed(self, conn: Connection, *, namespace: str, model: str) -> None:
+    def config_removed(self, conn: Connection, *, namespace: str, model: str) -> None:
         """The row of a namespace's config removed (a purge, after its blocks' rows): the model its config named."""
-        if self.logs_events:
+        if self.enabled:
             conn.execute(insert(EventLogRow).values(kind=CONFIG_REMOVED, key=namespace, size=0, digest="", model=model))
 
-    async def event_release(self, key: str, *, token: int) -> None:
+    def removed(self, conn: Connection, *, record: BlockRecord) -> None:
+        """The row of a key's row removed (``record``: the row it held)."""
+        self._log(conn, kind=REMOVED, key=record.key, size=record.size, digest=record.digest, note=None)
+
+    async def release(self, key: str, *, token: int) -> None:
         """The PUT ``token`` of ``key`` ended without storing it while rows waited for it: they wait no more."""
 
         def run(conn: Connection) -> None:
-            if self._dialect == "postgresql":
+            if self._commits.dialect == "postgresql":
                 conn.execute(text("SELECT pg_current_xact_id()"))  # the transaction's id before the row's
             self._log(conn, kind=RELEASE, key=key, size=0, digest="", note=LogNote(token=token))
 
-        await self._write(run, point=True)
+        await self._commits.write(run, point=True)
 
     # -- the publisher's reads ----------------------------------------------------------------------------------
 
-    async def event_snapshot(self) -> Snapshot:
+    async def snapshot(self) -> Snapshot:
         """What the reader may take (SQLite: every row; no query). PostgreSQL: the largest id visible, then a
         transaction id taken after it (``xmax``: every row up to that id was taken by an older transaction), then,
         once that transaction has ended, the oldest one running (``xmin``)."""
-        postgres = self._dialect == "postgresql"
+        postgres = self._commits.dialect == "postgresql"
         if not postgres:
             return Snapshot(xmin=0, xmax=0, max_id=1 << 62)
 
@@ -245,13 +253,13 @@ class EventLogOps(GroupCommit):
             xmin = int(conn.execute(text("SELECT pg_snapshot_xmin(pg_current_snapshot())::text")).scalar_one())
             return Snapshot(xmin=xmin, xmax=bound, max_id=max_id)
 
-        return await self._read(q)
+        return await self._commits.read(q)
 
-    async def event_head(self) -> int:
+    async def head(self) -> int:
         """The largest id of a committed row (0: none)."""
-        return int(await self._read(lambda conn: conn.execute(select(func.max(EventLogRow.id))).scalar() or 0))
+        return int(await self._commits.read(lambda conn: conn.execute(select(func.max(EventLogRow.id))).scalar() or 0))
 
-    async def event_config_model(self, namespace: str) -> str | None:
+    async def config_model(self, namespace: str) -> str | None:
         """The model name the namespace's config gave when it was last removed, while that row is kept (None: no
         such row): the topic of the namespace's rows published after a purge removed its config."""
         stmt = (
@@ -260,19 +268,19 @@ class EventLogOps(GroupCommit):
             .order_by(EventLogRow.id.desc())
             .limit(1)
         )
-        model = await self._read(lambda conn: conn.execute(stmt).scalar())
+        model = await self._commits.read(lambda conn: conn.execute(stmt).scalar())
         return model if isinstance(model, str) else None
 
-    async def event_rows(self, *, after: int, upto: int, limit: int) -> list[LogRow]:
+    async def rows(self, *, after: int, upto: int, limit: int) -> list[LogRow]:
         stmt = (
             select(*_COLUMNS)
             .where(EventLogRow.id > after, EventLogRow.id <= upto)
             .order_by(EventLogRow.id)
             .limit(limit)
         )
-        return await self._read(lambda conn: [_log_row(r) for r in conn.execute(stmt)])
+        return await self._commits.read(lambda conn: [_log_row(r) for r in conn.execute(stmt)])
 
-    async def event_rows_by_id(self, ids: Sequence[int]) -> dict[int, LogRow]:
+    async def rows_by_id(self, ids: Sequence[int]) -> dict[int, LogRow]:
         stmt = select(*_COLUMNS).where(EventLogRow.id.in_(bindparam("ids", expanding=True)))
 
         def q(conn: Connection) -> dict[int, LogRow]:
@@ -282,41 +290,41 @@ class EventLogOps(GroupCommit):
                     out[int(r[0])] = _log_row(r)
             return out
 
-        return await self._read(q)
+        return await self._commits.read(q)
 
-    async def event_state(self) -> LogState | None:
+    async def state(self) -> LogState | None:
         def q(conn: Connection) -> LogState | None:
             row = conn.execute(select(EventState).where(EventState.name == STREAM)).first()
             return None if row is None else _state(row)
 
-        return await self._read(q)
+        return await self._commits.read(q)
 
-    async def event_batches(self, *, since: int, limit: int) -> list[LoggedBatch]:
+    async def batches(self, *, since: int, limit: int) -> list[LoggedBatch]:
         """Stored batches numbered ``since`` or later, oldest first."""
         stmt = select(EventBatchRow).where(EventBatchRow.seq >= since).order_by(EventBatchRow.seq).limit(limit)
-        return await self._read(
+        return await self._commits.read(
             lambda conn: [LoggedBatch(seq=r.seq, ts=r.ts, topic=r.topic, ids=_ids(r.ids)) for r in conn.execute(stmt)]
         )
 
-    async def event_first_seq(self) -> int | None:
+    async def first_seq(self) -> int | None:
         """The oldest batch number still stored (None: none is)."""
-        first = await self._read(lambda conn: conn.execute(select(func.min(EventBatchRow.seq))).scalar())
+        first = await self._commits.read(lambda conn: conn.execute(select(func.min(EventBatchRow.seq))).scalar())
         return None if first is None else int(first)
 
     # -- the publisher's writes ---------------------------------------------------------------------------------
 
-    async def event_init(self, *, first_seq: int) -> None:
+    async def init(self, *, first_seq: int) -> None:
         """Create the stream's state if it has none: its first batch will be numbered ``first_seq``."""
 
         def run(conn: Connection) -> None:
-            ins = self._insert(EventState).values(
+            ins = self._commits.dialect_insert(EventState).values(
                 name=STREAM, term=0, next_seq=first_seq, last_id=0, held="", waiting="{}"
             )
             conn.execute(ins.on_conflict_do_nothing(index_elements=[EventState.name]))
 
-        await self._write(run)
+        await self._commits.write(run)
 
-    async def event_claim(self) -> LogState:
+    async def claim(self) -> LogState:
         """Take the next term (a publisher of an earlier one can write nothing more); the state it resumes from."""
 
         def run(conn: Connection) -> LogState:
@@ -324,10 +332,10 @@ class EventLogOps(GroupCommit):
             conn.execute(update(EventState).where(where).values(term=EventState.term + 1))
             return _state(conn.execute(select(EventState).where(where)).one())
 
-        state: LogState = await self._write(run)
+        state: LogState = await self._commits.write(run)
         return state
 
-    async def event_persist(
+    async def persist(
         self,
         *,
         term: int,
@@ -368,7 +376,7 @@ class EventLogOps(GroupCommit):
                 conn.execute(delete(EventLogRow).where(EventLogRow.id < floor))
             return True
 
-        return bool(await self._write(run))
+        return bool(await self._commits.write(run))
 
 
 def _state(row: Any) -> LogState:

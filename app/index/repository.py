@@ -24,7 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from app.errors import IndexUnavailable
 from app.index.batch import ReadBatcher
 from app.index.engine import guard
-from app.index.eventlog import REMOVED, EventLogOps
+from app.index.eventlog import EventLog
 from app.index.models import Block, Namespace, Part
 from app.index.records import (
     ABSENT,
@@ -39,7 +39,8 @@ from app.index.records import (
     row_values,
 )
 from app.index.scans import Scans
-from app.index.staging import FENCED, PART, Fenced, StagingOps
+from app.index.staging import FENCED, PART, Fenced, Staging
+from app.index.writer import GroupCommit
 
 log = logging.getLogger("kvgate.index")
 T = TypeVar("T")
@@ -49,7 +50,7 @@ SETTLE_WAIT_S = 10.0
 finished, or a connection it has not yet found dropped) before it gives up (IndexUnavailable: still unknown)."""
 
 
-class Index(Scans, EventLogOps, StagingOps):
+class Index(GroupCommit):
     """Block rows, parts and namespaces: point reads (batched), the changes of one key, access times written behind;
     the group-commit writer is ``app.index.writer``, the whole-table reads and bulk writes ``app.index.scans``, the
     KV event log ``app.index.eventlog`` (``events``: every change of a block row adds its row there)."""
@@ -58,14 +59,16 @@ class Index(Scans, EventLogOps, StagingOps):
         self, engine: AsyncEngine, *, flush_interval_s: float = 1.0, max_batch: int = 512, events: bool = False
     ) -> None:
         super().__init__(engine, max_batch=max_batch)
-        self.logs_events = events
+        self.scans = Scans(self)
+        self.staging = Staging(self)
+        self.event_log = EventLog(self, enabled=events)
         self._flush_interval = flush_interval_s
         self._access: dict[str, tuple[float, int]] = {}
         self._flushing = 0
         """Access-time flushes under way (``flush_access`` waits for them)."""
         self._tasks: list[asyncio.Task[None]] = []
         self._reads: ReadBatcher[BlockRecord] = ReadBatcher(
-            self.get_many, in_flight=1 if self._dialect == "sqlite" else 4
+            self.get_many, in_flight=1 if self.dialect == "sqlite" else 4
         )
 
     # -- lifecycle -------------------------------------------------------------------------------------------
@@ -95,14 +98,14 @@ class Index(Scans, EventLogOps, StagingOps):
         await guard(probe(), "check")
         # Reads can work while writes cannot (a SQLite file write-locked by another process): probe a write too,
         # through the group-commit task, so readiness also says that task is alive.
-        await self._write(lambda conn: conn.execute(delete(Namespace).where(false())), point=True)
+        await self.write(lambda conn: conn.execute(delete(Namespace).where(false())), point=True)
 
     # -- blocks ----------------------------------------------------------------------------------------------
 
     @functools.cached_property
     def _upsert_bound(self) -> Any:
         """The upsert with bind parameters, built once: SQLAlchemy then reuses its compiled form for every row."""
-        ins = self._insert(Block)
+        ins = self.dialect_insert(Block)
         return ins.on_conflict_do_update(
             index_elements=[Block.key],
             set_={
@@ -119,7 +122,7 @@ class Index(Scans, EventLogOps, StagingOps):
 
     def _lock_key(self, conn: Connection, key: str) -> None:
         """Hold ``key`` for the rest of the transaction against other gateways (PostgreSQL); SQLite has one writer."""
-        if self._dialect == "postgresql":
+        if self.dialect == "postgresql":
             conn.execute(text("SELECT pg_advisory_xact_lock(hashtextextended(:k, 0))"), {"k": key})
 
     def _current(self, conn: Connection, key: str) -> BlockRecord | None:
@@ -143,10 +146,10 @@ class Index(Scans, EventLogOps, StagingOps):
         transaction takes whatever it writes; nothing is written if it is gone (``Swap.fenced``: a sweep took it,
         app/index/staging.py)."""
         values = row_values(record)
-        driver = self._sqlite_swap if self._dialect == "sqlite" else None
+        driver = self._sqlite_swap if self.dialect == "sqlite" else None
 
         def run(conn: Connection) -> Swap:
-            if intent is not None and not self._take_intent(conn, record.key, intent):
+            if intent is not None and not Staging.take_intent(conn, record.key, intent):
                 return Swap(old=None, written=False, fenced=True)
             if driver is not None:  # SQLite: the same statements on the driver's connection, inside the transaction
                 swap = driver.swap(conn, record, values, expect)
@@ -156,10 +159,10 @@ class Index(Scans, EventLogOps, StagingOps):
                 swap = Swap(old=old, written=_should_write(old, record, expect))
                 if swap.written:
                     conn.execute(self._upsert_bound, values)
-            self._log_stored(conn, record=record, swap=swap, note=note)
+            self.event_log.stored(conn, record=record, swap=swap, note=note)
             return swap
 
-        swap: Swap = await self._write(run, point=True)
+        swap: Swap = await self.write(run, point=True)
         return swap
 
     async def remove_block(self, key: str, *, expect: Expect = ANY) -> BlockRecord | None:
@@ -172,11 +175,11 @@ class Index(Scans, EventLogOps, StagingOps):
             if current is None or not _expected(current, expect):
                 return None
             conn.execute(delete(Block).where(Block.key == key))
-            self._log(conn, kind=REMOVED, key=key, size=current.size, digest=current.digest, note=None)
+            self.event_log.removed(conn, record=current)
             return current
 
         self._access.pop(key, None)
-        removed: BlockRecord | None = await self._write(run, point=True)
+        removed: BlockRecord | None = await self.write(run, point=True)
         return removed
 
     async def settled(self, key: str) -> BlockRecord | None:
@@ -190,7 +193,7 @@ class Index(Scans, EventLogOps, StagingOps):
             self._lock_settled(conn, key)
             return self._current(conn, key)
 
-        return await self._read(q, "read back")
+        return await self.read(q, "read back")
 
     async def settled_parts(self, key: str) -> list[PartRecord]:
         """The parts of ``key``, read as ``settled`` reads its row."""
@@ -199,10 +202,10 @@ class Index(Scans, EventLogOps, StagingOps):
             self._lock_settled(conn, key)
             return _parts_of(conn, key)
 
-        return await self._read(q, "read back")
+        return await self.read(q, "read back")
 
     def _lock_settled(self, conn: Connection, key: str) -> None:
-        if self._dialect == "postgresql":
+        if self.dialect == "postgresql":
             conn.execute(text(f"SET LOCAL lock_timeout = {int(SETTLE_WAIT_S * 1000)}"))
             self._lock_key(conn, key)
 
@@ -225,7 +228,7 @@ class Index(Scans, EventLogOps, StagingOps):
         primary key as it comes. ``key IN (SELECT value FROM json_each(?))`` first copied the keys into a temporary
         B-tree, then probed with them, about a fifth of the statement's time at 1,000 keys. A key asked twice may
         come back twice; the callers make dicts of the rows."""
-        if self._dialect == "postgresql":
+        if self.dialect == "postgresql":
             return select(*cols).where(Block.key == any_(bindparam("keys", type_=postgresql.ARRAY(String))))
         quote = self.engine.dialect.identifier_preparer.quote
         table = quote(Block.__tablename__)
@@ -245,7 +248,7 @@ class Index(Scans, EventLogOps, StagingOps):
 
     async def _many(self, stmt: Any, keys: Sequence[str]) -> list[Any]:
         """The rows ``stmt`` selects for those of ``keys`` that exist (at most ``GET_MANY_CHUNK`` keys a query)."""
-        sqlite = self._dialect != "postgresql"
+        sqlite = self.dialect != "postgresql"
 
         def q(conn: Connection) -> list[Any]:
             rows: list[Any] = []
@@ -257,7 +260,7 @@ class Index(Scans, EventLogOps, StagingOps):
                     rows += conn.execute(stmt, {"keys": chunk}).all()
             return rows
 
-        return await self._read(q)
+        return await self.read(q)
 
     async def get_many(self, keys: Sequence[str]) -> dict[str, BlockRecord]:
         """The rows of ``keys`` that exist."""
@@ -281,7 +284,7 @@ class Index(Scans, EventLogOps, StagingOps):
         (the evictor reads last_access right after: a flush still in the writer's queue would not count)."""
         if not self._access:
             if self._flushing:
-                await self._write(lambda conn: None, point=True)  # the queue is in order: behind the flush under way
+                await self.write(lambda conn: None, point=True)  # the queue is in order: behind the flush under way
             return
         pending, self._access = self._access, {}
         self._flushing += 1
@@ -297,13 +300,13 @@ class Index(Scans, EventLogOps, StagingOps):
             .where(Block.key == bindparam("k"))
             .values(last_access=func.max(Block.last_access, bindparam("t")), hits=Block.hits + bindparam("n"))
         )
-        if self._dialect == "postgresql":
+        if self.dialect == "postgresql":
             stmt = (
                 update(Block)
                 .where(Block.key == bindparam("k"))
                 .values(last_access=func.greatest(Block.last_access, bindparam("t")), hits=Block.hits + bindparam("n"))
             )
-        await self._write(lambda conn: conn.execute(stmt.execution_options(synchronize_session=False), params))
+        await self.write(lambda conn: conn.execute(stmt.execution_options(synchronize_session=False), params))
 
     async def _access_loop(self) -> None:
         while True:
@@ -320,10 +323,10 @@ class Index(Scans, EventLogOps, StagingOps):
         text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
 
         def run(conn: Connection) -> bool:
-            ins = self._insert(Namespace).values(name=name, fields=text, created_at=time.time())
+            ins = self.dialect_insert(Namespace).values(name=name, fields=text, created_at=time.time())
             return bool(conn.execute(ins.on_conflict_do_nothing(index_elements=[Namespace.name])).rowcount)
 
-        return bool(await self._write(run))
+        return bool(await self.write(run))
 
     async def delete_namespace(self, name: str) -> bool:
         """Remove a namespace's fields row; False if it had none. With events on, the removal's log row names the
@@ -336,10 +339,10 @@ class Index(Scans, EventLogOps, StagingOps):
                 return False
             model = json.loads(fields).get("model_name")
             if isinstance(model, str):
-                self._log_config_removed(conn, namespace=name, model=model)
+                self.event_log.config_removed(conn, namespace=name, model=model)
             return True
 
-        return bool(await self._write(run))
+        return bool(await self.write(run))
 
     async def get_namespace(self, name: str) -> NamespaceRecord | None:
         async def q() -> NamespaceRecord | None:
@@ -372,29 +375,29 @@ class Index(Scans, EventLogOps, StagingOps):
         recorded) if it is gone (a sweep took it: app/index/staging.py)."""
 
         def run(conn: Connection) -> list[PartRecord] | Fenced | None:
-            if intent and not self._take_intent(conn, part.store_key, PART):
+            if intent and not Staging.take_intent(conn, part.store_key, PART):
                 return FENCED
             self._lock_key(conn, part.key)
-            ins = self._insert(Part).values(
+            ins = self.dialect_insert(Part).values(
                 key=part.key,
                 start=part.start,
                 end=part.end,
                 total=part.total,
                 digest=part.digest,
                 store_key=part.store_key,
-                created_at=self._db_now(),  # the database's clock: idle uploads are told by it alone
+                created_at=self.staging.db_now_sql(),  # the database's clock: idle uploads are told by it alone
                 namespace=namespace,
             )
             if not conn.execute(ins.on_conflict_do_nothing(index_elements=[Part.key, Part.start])).rowcount:
                 return None
             return _parts_of(conn, part.key)
 
-        parts: list[PartRecord] | Fenced | None = await self._write(run)
+        parts: list[PartRecord] | Fenced | None = await self.write(run)
         return parts
 
     async def get_parts(self, key: str) -> list[PartRecord]:
         """The parts of ``key``, ordered by start."""
-        return await self._read(lambda conn: _parts_of(conn, key))
+        return await self.read(lambda conn: _parts_of(conn, key))
 
     async def part_state(self, key: str) -> tuple[BlockRecord | None, list[PartRecord]]:
         """The block row of ``key`` (None: not complete) and its parts, read together in one transaction."""
@@ -403,7 +406,7 @@ class Index(Scans, EventLogOps, StagingOps):
             row = conn.execute(select(Block).where(Block.key == key)).first()
             return (None if row is None else block_record(row)), _parts_of(conn, key)
 
-        return await self._read(q)
+        return await self.read(q)
 
     async def delete_parts(self, key: str, parts: Sequence[PartRecord]) -> int:
         """Forget exactly ``parts`` of ``key`` (each by its start and where its bytes are): a part recorded since
@@ -417,7 +420,7 @@ class Index(Scans, EventLogOps, StagingOps):
                 gone += int(conn.execute(stmt).rowcount)
             return gone
 
-        return int(await self._write(run))
+        return int(await self.write(run))
 
 
 def _expected(current: BlockRecord | None, expect: Expect) -> bool:

@@ -10,12 +10,17 @@ from app.index.records import BlockRecord, NamespaceUsage, Upload, block_record
 from app.index.writer import GroupCommit
 
 
-class Scans(GroupCommit):
+class Scans:
+    """The index's whole-table reads and bulk writes, through its group commit."""
+
+    def __init__(self, commits: GroupCommit) -> None:
+        self._commits = commits
+
     async def usage(self) -> tuple[int, int]:
         """(blocks, bytes) recorded in the index."""
 
         async def q() -> tuple[int, int]:
-            async with self.engine.connect() as conn:
+            async with self._commits.engine.connect() as conn:
                 row = (await conn.execute(select(func.count(), func.coalesce(func.sum(Block.size), 0)))).one()
             return int(row[0]), int(row[1])
 
@@ -34,7 +39,7 @@ class Scans(GroupCommit):
         # have moved the caller's view (each moves it as its commit returns, before the read's caller resumes),
         # those after are not; a read beside the writer could count a change its view then moved by again. One hop
         # to the writer thread on SQLite (through the async engine each statement was several round trips)
-        result: dict[str, tuple[int, int]] = await self._write(q)
+        result: dict[str, tuple[int, int]] = await self._commits.write(q)
         return result
 
     async def uploads(self, *, namespace: str | None = None) -> list[Upload]:
@@ -46,7 +51,7 @@ class Scans(GroupCommit):
             ).group_by(Part.key, Part.namespace)
             if namespace is not None:
                 stmt = stmt.where(Part.namespace == namespace)
-            async with self.engine.connect() as conn:
+            async with self._commits.engine.connect() as conn:
                 return [
                     Upload(key=r[0], namespace=r[1] or "", last_part_at=float(r[2]), bytes=int(r[3]))
                     for r in await conn.execute(stmt)
@@ -60,7 +65,7 @@ class Scans(GroupCommit):
         """Every block row's key -> (size, stamp) (reconcile compares them with the store's listing)."""
 
         async def q() -> dict[str, tuple[int, str | None]]:
-            async with self.engine.connect() as conn:
+            async with self._commits.engine.connect() as conn:
                 rows = await conn.execute(select(Block.key, Block.size, Block.stamp))
                 return {r.key: (int(r.size), r.stamp) for r in rows}
 
@@ -74,7 +79,7 @@ class Scans(GroupCommit):
             if namespace is not None:
                 stmt = stmt.where(Block.namespace == namespace)
             stmt = stmt.order_by(Block.last_access, Block.created_at, Block.key).limit(limit)
-            async with self.engine.connect() as conn:
+            async with self._commits.engine.connect() as conn:
                 return [block_record(r) for r in await conn.execute(stmt)]
 
         return await guard(q(), "read")
@@ -94,7 +99,7 @@ class Scans(GroupCommit):
             ).group_by(Block.namespace)
             if namespace is not None:
                 stmt = stmt.where(Block.namespace == namespace)
-            async with self.engine.connect() as conn:
+            async with self._commits.engine.connect() as conn:
                 rows = (await conn.execute(stmt.order_by(Block.namespace))).all()
             return [
                 NamespaceUsage(
@@ -115,7 +120,7 @@ class Scans(GroupCommit):
         """Names of the namespaces that have recorded fields."""
 
         async def q() -> list[str]:
-            async with self.engine.connect() as conn:
+            async with self._commits.engine.connect() as conn:
                 return [r[0] for r in await conn.execute(select(Namespace.name).order_by(Namespace.name))]
 
         return await guard(q(), "read")
@@ -125,7 +130,7 @@ class Scans(GroupCommit):
 
         async def q() -> list[tuple[str, int]]:
             stmt = select(Block.key, Block.size).where(Block.namespace == namespace)
-            async with self.engine.connect() as conn:
+            async with self._commits.engine.connect() as conn:
                 return [(r.key, int(r.size)) for r in await conn.execute(stmt)]
 
         return await guard(q(), "read")

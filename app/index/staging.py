@@ -41,16 +41,21 @@ FENCED: Final = Fenced.FENCED
 """A commit found its staging intent gone (a sweep took it): nothing was written."""
 
 
-class StagingOps(GroupCommit):
-    def _db_now(self) -> Any:
+class Staging:
+    """The staging intents (see the module doc), through the index's group commit."""
+
+    def __init__(self, commits: GroupCommit) -> None:
+        self._commits = commits
+
+    def db_now_sql(self) -> Any:
         """The database's clock, in seconds since the epoch, as a SQL expression."""
-        if self._dialect == "postgresql":
+        if self._commits.dialect == "postgresql":
             return literal_column("CAST(EXTRACT(EPOCH FROM clock_timestamp()) AS DOUBLE PRECISION)")
         return literal_column("((julianday('now') - 2440587.5) * 86400.0)")
 
     async def db_now(self) -> float:
         """The database's clock now (seconds since the epoch): the one clock that sweeps compare ages with."""
-        now: float = await self._read(lambda conn: float(conn.execute(select(self._db_now())).scalar_one()))
+        now: float = await self._commits.read(lambda conn: float(conn.execute(select(self.db_now_sql())).scalar_one()))
         return now
 
     async def add_intent(self, *, key: str, stamp: str = PART) -> None:
@@ -59,25 +64,27 @@ class StagingOps(GroupCommit):
         key is new) and only a sweep of old intents removes one, so found means recorded; not found (or not yet
         committed) means the writer gives up before writing anything (IndexUnavailable), and an intent committed
         after all is swept once old, with no object to remove."""
-        values = {"key": key, "stamp": stamp, "staged_at": self._db_now()}
+        values = {"key": key, "stamp": stamp, "staged_at": self.db_now_sql()}
         try:
-            await self._write(lambda conn: conn.execute(self._insert(StagingIntent).values(**values)), point=True)
+            await self._commits.write(
+                lambda conn: conn.execute(self._commits.dialect_insert(StagingIntent).values(**values)), point=True
+            )
         except CommitUnknown as exc:
             if not await self._has_intent(key=key, stamp=stamp):  # IndexUnavailable if that cannot be read either
                 raise IndexUnavailable(f"{key!r}: the staging intent's commit failed and it is not there") from exc
 
     async def _has_intent(self, *, key: str, stamp: str) -> bool:
         stmt = select(exists().where(StagingIntent.key == key, StagingIntent.stamp == stamp))
-        found: bool = await self._read(lambda conn: bool(conn.execute(stmt).scalar_one()))
+        found: bool = await self._commits.read(lambda conn: bool(conn.execute(stmt).scalar_one()))
         return found
 
     async def drop_intent(self, *, key: str, stamp: str = PART) -> None:
         """Forget an intent whose object was discarded (nothing will commit it)."""
         stmt = delete(StagingIntent).where(StagingIntent.key == key, StagingIntent.stamp == stamp)
-        await self._write(lambda conn: conn.execute(stmt), point=True)
+        await self._commits.write(lambda conn: conn.execute(stmt), point=True)
 
     @staticmethod
-    def _take_intent(conn: Connection, key: str, stamp: str) -> bool:
+    def take_intent(conn: Connection, key: str, stamp: str) -> bool:
         """Delete intent ``(key, stamp)`` inside a commit's transaction; False if it was gone (swept)."""
         stmt = delete(StagingIntent).where(StagingIntent.key == key, StagingIntent.stamp == stamp)
         return bool(conn.execute(stmt).rowcount)
@@ -89,7 +96,7 @@ class StagingOps(GroupCommit):
         old = delete(StagingIntent).where(
             StagingIntent.key == key,
             StagingIntent.stamp == stamp,
-            StagingIntent.staged_at <= self._db_now() - older_than_s,
+            StagingIntent.staged_at <= self.db_now_sql() - older_than_s,
         )
         if conn.execute(old).rowcount:
             return True
@@ -101,19 +108,21 @@ class StagingOps(GroupCommit):
         intent younger than ``older_than_s`` by the database's clock; an old one is deleted): once this returns
         True, no commit can name it."""
         named = exists().where(Block.key == key, Block.stamp == stamp)
-        claimed: bool = await self._write(lambda conn: self._claim(conn, key, stamp, older_than_s, named), point=True)
+        claimed: bool = await self._commits.write(
+            lambda conn: self._claim(conn, key, stamp, older_than_s, named), point=True
+        )
         return claimed
 
     async def claim_part_object(self, *, store_key: str, older_than_s: float) -> bool:
         """May the part object ``store_key`` be removed? As ``claim_version``, for a part's row."""
         named = exists().where(Part.store_key == store_key)
-        claimed: bool = await self._write(lambda conn: self._claim(conn, store_key, PART, older_than_s, named))
+        claimed: bool = await self._commits.write(lambda conn: self._claim(conn, store_key, PART, older_than_s, named))
         return claimed
 
     async def expired_intents(self, *, older_than_s: float) -> Sequence[tuple[str, str]]:
         """Intents older than ``older_than_s`` by the database's clock: objects whose writer is gone (or that it
         never wrote), for a sweep to claim and remove."""
         stmt = select(StagingIntent.key, StagingIntent.stamp).where(
-            StagingIntent.staged_at <= self._db_now() - older_than_s
+            StagingIntent.staged_at <= self.db_now_sql() - older_than_s
         )
-        return await self._read(lambda conn: [(r[0], r[1]) for r in conn.execute(stmt)])
+        return await self._commits.read(lambda conn: [(r[0], r[1]) for r in conn.execute(stmt)])

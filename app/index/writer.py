@@ -53,7 +53,7 @@ class _CommitFailed(Exception):
 class GroupCommit:
     def __init__(self, engine: AsyncEngine, *, max_batch: int = 512) -> None:
         self.engine = engine
-        self._dialect = engine.dialect.name
+        self.dialect = engine.dialect.name
         self._max_batch = max_batch
         self._queue: asyncio.Queue[tuple[SyncOp, asyncio.Future[Any], bool]] = asyncio.Queue()
         self._twin = blocking_twin(engine)
@@ -77,7 +77,7 @@ class GroupCommit:
         if self._twin is not None:
             self._twin.dispose()
 
-    async def _read(self, fn: Callable[[Connection], T], what: str = "read") -> T:
+    async def read(self, fn: Callable[[Connection], T], what: str = "read") -> T:
         """``fn(conn)`` in one read transaction: on a reader thread (SQLite), or through the async engine."""
         twin = self._twin
         if twin is None:
@@ -94,7 +94,7 @@ class GroupCommit:
 
         return await guard(asyncio.get_running_loop().run_in_executor(self._readers, blocking), what)
 
-    async def _write(self, op: SyncOp, *, point: bool = False) -> Any:
+    async def write(self, op: SyncOp, *, point: bool = False) -> Any:
         """``op(conn)`` in a group-committed transaction; ``point``: a few statements on indexed rows, which may
         run on the event loop (SQLite; see the module docstring)."""
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -264,7 +264,7 @@ class GroupCommit:
         coordination file serves). The lock is the transaction's, not the session's: it ends with the transaction
         however the section ends (rolled back; or, if the rollback fails or is cancelled, the connection is
         discarded, which ends it on the server), so a pooled connection never keeps it held."""
-        if self._dialect != "postgresql":
+        if self.dialect != "postgresql":
             yield
             return
         key = EXCLUSIVE[name]
@@ -287,6 +287,6 @@ class GroupCommit:
                         await conn.invalidate()  # its transaction's end unknown: never back to the pool
                     raise
 
-    def _insert(self, table: Any) -> Any:
+    def dialect_insert(self, table: Any) -> Any:
         """An INSERT of the index's dialect (both have ON CONFLICT, which the portable insert lacks)."""
-        return (postgresql.insert if self._dialect == "postgresql" else sqlite.insert)(table)
+        return (postgresql.insert if self.dialect == "postgresql" else sqlite.insert)(table)

@@ -19,7 +19,7 @@ async def log_index(db_url: str, *, first_seq: int = FIRST_SEQ) -> AsyncIterator
     index = Index(make_engine(db_url), flush_interval_s=3600, events=True)
     await index.start()
     try:
-        await index.event_init(first_seq=first_seq)
+        await index.event_log.init(first_seq=first_seq)
         yield index
     finally:
         await index.close()

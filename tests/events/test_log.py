@@ -42,7 +42,7 @@ class Sent:
 
 
 async def _rows(index: Index) -> list[tuple[int, str]]:
-    rows = await index.event_rows(after=0, upto=1 << 62, limit=1000)
+    rows = await index.event_log.rows(after=0, upto=1 << 62, limit=1000)
     return [(r.kind, r.key) for r in rows]
 
 
@@ -57,7 +57,7 @@ async def test_a_row_iff_the_change_committed(index: Index) -> None:
     assert await index.remove_block(b) is None  # nothing there
     assert await index.remove_block(a, expect="s1") is None  # not the version seen
     assert await index.remove_block(a) is not None
-    rows = await index.event_rows(after=0, upto=1 << 62, limit=100)
+    rows = await index.event_log.rows(after=0, upto=1 << 62, limit=100)
     assert [(r.kind, r.key, r.digest, r.tokens) for r in rows] == [
         (STORED, a, "a" * 64, None),
         (STORED, a, "c" * 64, (1, 2)),
@@ -67,7 +67,7 @@ async def test_a_row_iff_the_change_committed(index: Index) -> None:
 
 async def test_events_off_write_no_rows(index_url: str, tmp_path: Path) -> None:
     async with log_index(index_url) as index:
-        index.logs_events = False
+        index.event_log.enabled = False
         await index.swap_block(record(key_for(1)))
         await index.remove_block(key_for(1))
         assert await _rows(index) == []
@@ -91,7 +91,7 @@ async def test_numbers_go_on_across_publishers_and_a_stale_one_writes_nothing(in
     assert await new.round() == 1
     assert [b.seq for b in second.batches] == [FIRST_SEQ + 3]  # no jump, no reuse
     assert second.keys() == [("stored", key_for(3))]
-    state = await index.event_state()
+    state = await index.event_log.state()
     assert state is not None and (state.next_seq, state.last_id) == (FIRST_SEQ + 4, 4)
 
 
@@ -174,7 +174,7 @@ async def test_held_rows_wait_for_the_puts_of_their_parent_across_a_restart(inde
     )
     await publisher.round()
     assert sent.keys()[-1] == ("stored", grandchild)
-    await index.event_release(parent, token=9)  # that PUT of the parent ended without a store
+    await index.event_log.release(parent, token=9)  # that PUT of the parent ended without a store
     await publisher.round()
     assert sent.keys()[-1] == ("stored", child)
 

@@ -113,7 +113,7 @@ async def test_upsert_get_overwrite(index: Index) -> None:
     await put_row(index, key=key(1), namespace=NS, rank=0, group=0, size=250, digest="b" * 64)
     rec2 = await index.get(key(1))
     assert rec2 is not None and (rec2.size, rec2.digest) == (250, "b" * 64)
-    assert await index.usage() == (1, 250)
+    assert await index.scans.usage() == (1, 250)
 
 
 async def test_large_values(index: Index) -> None:
@@ -127,7 +127,7 @@ async def test_concurrent_upserts_group_commit(index: Index) -> None:
     await asyncio.gather(
         *(put_row(index, key=key(i), namespace=NS, rank=0, group=0, size=i, digest=f"{i:064x}") for i in range(300))
     )
-    assert await index.usage() == (300, sum(range(300)))
+    assert await index.scans.usage() == (300, sum(range(300)))
 
 
 async def test_get_many_in_order_and_over_batch(index: Index) -> None:
@@ -163,11 +163,11 @@ async def test_delete(index: Index) -> None:
     assert [g is not None for g in gone] == [True, True, False]
     assert await index.get(key(0)) is None
     assert await index.get(key(2)) is not None
-    assert await index.usage() == (1, 10)
+    assert await index.scans.usage() == (1, 10)
 
 
 async def test_empty_usage(index: Index) -> None:
-    assert await index.usage() == (0, 0)
+    assert await index.scans.usage() == (0, 0)
 
 
 async def test_namespaces(index: Index) -> None:
@@ -256,8 +256,8 @@ async def test_usage_moves_in_each_change_s_transaction(index: Index) -> None:
     """The usage table (kept by triggers) equals the rows and stored parts after every kind of change."""
 
     async def truth() -> dict[str, tuple[int, int]]:
-        blocks = {u.namespace: (u.blocks, u.bytes) for u in await index.namespace_usage()}
-        for upload in await index.uploads():
+        blocks = {u.namespace: (u.blocks, u.bytes) for u in await index.scans.namespace_usage()}
+        for upload in await index.scans.uploads():
             b, n = blocks.get(upload.namespace, (0, 0))
             blocks[upload.namespace] = (b, n + upload.bytes)
         return {ns: v for ns, v in blocks.items() if v != (0, 0)}
@@ -270,12 +270,12 @@ async def test_usage_moves_in_each_change_s_transaction(index: Index) -> None:
     part = PartRecord(key=key(90), start=0, end=300, total=600, digest="9" * 64, store_key="x")
     recorded = await index.add_part(part, namespace=NS)
     assert recorded is not None
-    assert await index.usage_by_namespace() == await truth()
-    assert (await index.usage_by_namespace())[NS] == (39, sum(10 + i for i in range(40)) - 13 + 1000 - 14 + 300)
+    assert await index.scans.usage_by_namespace() == await truth()
+    assert (await index.scans.usage_by_namespace())[NS] == (39, sum(10 + i for i in range(40)) - 13 + 1000 - 14 + 300)
     assert await index.delete_parts(key(90), recorded) == 1
     for i in range(40):
         await index.remove_block(key(i))
-    assert await index.usage_by_namespace() == await truth() == {other: (1, 7)}
+    assert await index.scans.usage_by_namespace() == await truth() == {other: (1, 7)}
 
 
 async def test_create_only_has_one_winner_across_two_indexes(index_url: str) -> None:

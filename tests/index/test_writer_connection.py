@@ -68,7 +68,7 @@ async def test_a_failed_transaction_drops_the_connection_and_loses_no_other_writ
     writer thread: on either path a failing op's transaction drops its connection, and the other ops commit."""
     idx, pool_events = sqlite_index
     await put_row(idx, key=key(0), size=1, digest=f"{0:064x}")  # the loop's connection
-    await idx._write(lambda conn: None)  # the writer thread's
+    await idx.write(lambda conn: None)  # the writer thread's
     held_before = _held(idx)
     assert held_before == 2
     pool_events.clear()
@@ -80,7 +80,7 @@ async def test_a_failed_transaction_drops_the_connection_and_loses_no_other_writ
         raise RuntimeError("the op failed after writing")
 
     results = await asyncio.gather(
-        idx._write(broken, point=point),
+        idx.write(broken, point=point),
         *(put_row(idx, key=key(i), size=i, digest=f"{i:064x}") for i in range(1, 6)),
         return_exceptions=True,
     )
@@ -95,7 +95,7 @@ async def test_a_failed_transaction_drops_the_connection_and_loses_no_other_writ
     for i in (0, 1, 2, 3, 4, 5, 9):
         got = await idx.get(key(i))
         assert got is not None and got.size == (1 if i == 0 else i)
-    assert await idx._read(_half_written) == 0  # the failed op's own statement was rolled back
+    assert await idx.read(_half_written) == 0  # the failed op's own statement was rolled back
 
 
 def _closed(driver: Any) -> bool:

@@ -71,6 +71,8 @@ def test_the_graph_is_read() -> None:
         # the KV events' wing builds on the core and the index; neither knows it (the core sees an EventSink)
         (("app.core", "app.storage", "app.index", "app.config", "app.errors"), ("app.events",)),
         (("app.storage", "app.index", "app.config", "app.errors"), ("app.core",)),
+        # the edge speaks to the core alone; the value types it needs have a home there (app/core/values.py)
+        (("app.api",), ("app.storage", "app.index")),
         (
             ("app.api", "app.core", "app.events", "app.storage", "app.index", "app.config", "app.errors", "app.main"),
             ("app.tools",),
@@ -235,3 +237,16 @@ def test_app_passes_state_as_parameters_not_context_variables() -> None:
     that no signature on the way mentions."""
     users = sorted(mod for mod, imports in GRAPH.items() if _under(mod, "app") and "contextvars.ContextVar" in imports)
     assert users == []
+
+
+def test_the_index_is_composed_not_mixed() -> None:
+    """The index holds its parts (the event log, the staging intents, the whole-table scans) and hands each its group
+    commit: no class of ``app.index`` has two bases, so no method reaches another part's state through ``self``."""
+    mixed = [
+        f"{mod}.{node.name}"
+        for mod, tree in TREES.items()
+        if _under(mod, "app.index")
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef) and len(node.bases) > 1
+    ]
+    assert mixed == []

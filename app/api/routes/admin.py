@@ -13,8 +13,8 @@ from app.api.routes.deps import capacity, service, upkeep
 from app.core.capacity import Capacity
 from app.core.service import BlockService
 from app.core.upkeep import Upkeep
+from app.core.values import NamespaceUsage
 from app.errors import NamespaceNotFound
-from app.index import NamespaceUsage
 from contract.keys import parse_namespace
 
 router = APIRouter(prefix="/v1", tags=["admin"])

@@ -16,8 +16,8 @@ from app.api.routes.thin import ThinRoute
 from app.config import Settings
 from app.core.reads import OpenBlock, vouch_range
 from app.core.service import BlockService
+from app.core.values import Version
 from app.errors import InvalidRequest, LengthRequired, PayloadTooLarge
-from app.storage.base import Version
 from contract import wire
 from contract.keys import BlockKey, parse_block_key
 from contract.wire import (

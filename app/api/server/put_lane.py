@@ -38,7 +38,7 @@ from app.api.middleware.limits import UploadSlots
 from app.api.middleware.metrics import RequestRecorder, route_template
 from app.api.middleware.principals import Principals
 from app.api.routes.thin import find_exception_handler
-from app.storage.base import BodyPieces
+from app.core.values import BodyPieces
 from contract import wire
 from contract.keys import BlockKey, InvalidKey, parse_block_key
 from contract.wire import BLOCK_META_HEADER, CHECKSUM_HEADER, DIGEST_HEADER, BlockMetaValue

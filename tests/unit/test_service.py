@@ -250,7 +250,7 @@ async def test_reconcile_defers_a_config_and_the_idle_uploads_and_finishes_the_r
     async with running(cfg) as gw:
         core = gw.core
         index = core.index
-        real_put, real_uploads = index.put_namespace, index.uploads
+        real_put, real_uploads = index.put_namespace, index.scans.uploads
         flaky = names["test-org/config-b"]
 
         async def put_namespace(*, name: str, fields: Any) -> Any:
@@ -261,11 +261,11 @@ async def test_reconcile_defers_a_config_and_the_idle_uploads_and_finishes_the_r
         async def uploads() -> Any:
             raise IndexUnavailable("the index cannot be reached")
 
-        index.put_namespace, index.uploads = put_namespace, uploads  # type: ignore[method-assign]
+        index.put_namespace, index.scans.uploads = put_namespace, uploads  # type: ignore[method-assign]
         try:
             report = await reconcile(upkeep=core.upkeep, store=core.store, index=index)
         finally:
-            index.put_namespace, index.uploads = real_put, real_uploads  # type: ignore[method-assign]
+            index.put_namespace, index.scans.uploads = real_put, real_uploads  # type: ignore[method-assign]
         assert (report.configs_adopted, report.deferred) == (1, 3)  # a config, two sweeps
         again = await reconcile(upkeep=core.upkeep, store=core.store, index=index)
         assert (again.configs_adopted, again.deferred) == (1, 0)

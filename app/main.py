@@ -218,7 +218,7 @@ async def _serving(app: FastAPI, *, cfg: Settings, backends: Backends) -> AsyncI
         # Everything built so far (modules, FastAPI's routes and models, SQLAlchemy's tables, botocore's service
         # model) lives as long as the process. Frozen out of the collector's reach, it is no longer walked by a
         # full collection, during which the event loop stands still: 78 ms -> 0.3 ms fresh, 101 -> 14 ms with
-        # the metadata cache full (python -m benchmarks.gc_pause). Full collections are rare in steady state
+        # the metadata cache full (python -m benchmarks.gateway.gc_pause). Full collections are rare in steady state
         # but come with bursts of new long-lived objects, such as a filling cache.
         gc.collect()  # start-up's own cyclic garbage is collected, not frozen with the rest
         gc.freeze()

@@ -4,7 +4,7 @@ A small PUT hands its file work to a thread two or three times (create, write an
 it), and a GET one or two (open, read). Through ``anyio.to_thread.run_sync`` such a hop cost about 68 us of CPU
 on this machine (a cancel scope, a capacity limiter, a ``queue.Queue`` per worker: several Python-level locks per
 hop), through ``loop.run_in_executor`` 16-25 us; this pool hands the call over one ``queue.SimpleQueue`` (C) and
-returns its result with one ``call_soon_threadsafe``: 4-10 us (``python -m benchmarks.threads_hop``).
+returns its result with one ``call_soon_threadsafe``: 4-10 us (``python -m benchmarks.primitives.threads_hop``).
 
 Cancellation is anyio's default: a caller cancelled while its call runs on a thread waits for the call to end and
 is then cancelled, so a blocking call never outlives the code that cleans up after it (a staged file created by a

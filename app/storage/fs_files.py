@@ -262,8 +262,8 @@ a file lets the kernel's page cache take a whole 2 MiB folio for it (ext4 on Lin
 VM that hands free memory back to its host (virtio-balloon free page reporting) such a block is one the host has
 taken back: the copy into it then costs several times the same bytes in smaller folios. Measured here (2 cores,
 Linux 6.18, ext4), system CPU per 2 MiB file: one call 7.75 ms, calls of 1 MiB 0.79 ms (9.8x), of 256 KiB and 64 KiB
-0.91 and 1.01 ms (``python -m benchmarks.write_calls``); with the page cache growing all along (``--keep``) one call
-still costs 3.9x calls of 1 MiB."""
+0.91 and 1.01 ms (``python -m benchmarks.primitives.write_calls``); with the page cache growing all along
+(``--keep``) one call still costs 3.9x calls of 1 MiB."""
 
 
 def write_all(fd: int, pieces: Sequence[bytes], offset: int | None) -> None:

@@ -1,5 +1,5 @@
 """The history checker's two scenarios against real processes (tests/e2e/history.py has the traffic and the
-checks). ``tests/e2e/test_history.py`` runs them short in CI; ``python -m benchmarks.history`` runs them long.
+checks). ``tests/e2e/test_history.py`` runs them short in CI; ``python -m tests.e2e.run_history`` runs them long.
 
 - ``fs``: one gateway on the filesystem and SQLite, killed -9 and restarted (reconcile on) at random points, with
   ``kvgate gc`` running in a loop beside it and ``kvgate import`` of a vLLM fs-tier directory, whose files name some

@@ -9,9 +9,9 @@ HEAD of a cached block, answered inside the HTTP protocol: no ASGI task, no midd
 
 ``HEAD /v1/blocks/{path}`` is the request a connector makes for every block it might load and a router for every
 prefix it scores; the answer is a few header lines from the metadata cache. Through the ASGI stack it cost ~3x
-nginx's CPU (``benchmarks.cost``), most of it the stack itself: uvicorn's task and cycle per request, the
-middlewares' send wrappers, Starlette's Request and Response (``benchmarks.http_floor``: a bare ASGI app on the
-same server already costs 1.5x nginx per HEAD). :func:`with_lanes` answers it where the request head has just
+nginx's CPU (``benchmarks.gateway.cost``), most of it the stack itself: uvicorn's task and cycle per request,
+the middlewares' send wrappers, Starlette's Request and Response (``benchmarks.primitives.http_floor``: a bare ASGI
+app on the same server already costs 1.5x nginx per HEAD). :func:`with_lanes` answers it where the request head has just
 been parsed, synchronously, when it can answer completely:
 
 - a ``HEAD`` of ``/v1/blocks/<key>``, no query, no body, no ``Expect``, no upgrade, no root path configured;

@@ -1,6 +1,6 @@
 """How long a full cyclic-garbage collection stops the gateway's event loop, with start-up objects frozen and not.
 
-    .venv/bin/python -m benchmarks.gc_pause [--cache-entries 65536] [--repeat 3]
+    .venv/bin/python -m benchmarks.gateway.gc_pause [--cache-entries 65536] [--repeat 3]
 
 Runs the app's lifespan in this process (memory store, SQLite index in a temp dir; as tests/unit/inprocess.py),
 serves a few requests, then times ``gc.collect()`` (best of ``--repeat``): with what the lifespan froze (the

@@ -2,7 +2,7 @@
 loads the prefix from kvgate (filesystem, S3, and a TP=2 engine loading blocks stored at TP=1), each against the
 limit that the bytes set, measured in the same run. A benchmark, not a test: it prints figures.
 
-    KVGATE_ENGINE_PYTHON=/tmp/kvgate-vllm-cpu/bin/python python benchmarks/engine_ttft.py \\
+    KVGATE_ENGINE_PYTHON=/tmp/kvgate-vllm-cpu/bin/python python benchmarks/engine/ttft.py \\
         [--tokens 2048 8192] [--runs 3] [--modes inproc mp] [--s3 auto|seaweedfs|moto|none] [--tp2-runs 2] \\
         [--json docs/engine-ttft.json] [--plot docs/engine-ttft.png]
 
@@ -39,9 +39,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.engine_runs import (
+from benchmarks.engine.runs import (
     REPO,
     Engines,
     Spread,

@@ -1,6 +1,6 @@
 """kvgate next to nginx (WebDAV) on the same machine, same disk, same client, one run: ratios per op.
 
-    .venv/bin/python -m benchmarks.compare [--quick] [--out docs]
+    .venv/bin/python -m benchmarks.gateway.compare [--quick] [--out docs]
 
 Needs Debian's nginx (``apt-get install -y nginx``: its binary has the dav module built in); CI does not run this.
 Starts nginx (one worker, no daemon, its own temp config/root/pid/logs) and kvgate on the filesystem backend
@@ -231,7 +231,7 @@ def main() -> None:
         "connector_pipeline": pipeline,
         "notes": notes,
         "rounds": args.rounds,
-        "command": " ".join(["python -m benchmarks.compare", *sys.argv[1:]]),
+        "command": " ".join(["python -m benchmarks.gateway.compare", *sys.argv[1:]]),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "benchmarks.json").write_text(json.dumps(report, indent=2))
@@ -243,12 +243,12 @@ def main() -> None:
 
 
 def connector_pipeline(notes: list[str]) -> dict[str, Any] | None:
-    script = REPO / "benchmarks" / "connector_pipeline.py"
+    script = REPO / "benchmarks" / "connector" / "pipeline.py"
     if not script.exists():
-        notes.append("connector pipeline row left empty: benchmarks/connector_pipeline.py not present yet")
+        notes.append("connector pipeline row left empty: benchmarks/connector/pipeline.py not present yet")
         return None
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.connector_pipeline", "--blocks", "48"],  # starts its own gateway
+        [sys.executable, "-m", "benchmarks.connector.pipeline", "--blocks", "48"],  # starts its own gateway
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
         capture_output=True,

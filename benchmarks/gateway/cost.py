@@ -1,9 +1,9 @@
 """The cost of a request: server CPU per request, kvgate next to nginx (WebDAV) on the same work, in one run.
 
-    .venv/bin/python -m benchmarks.cost                      # PUT, GET at 64 KiB and 2 MiB, HEAD; c=16; 3 rounds
-    .venv/bin/python -m benchmarks.cost --base 5a2c15d       # and kvgate at another revision beside it
-    .venv/bin/python -m benchmarks.cost --workers-compare 1 2 -c 32   # kvgate with 1 worker against 2
-    .venv/bin/python -m benchmarks.cost --env-compare KVGATE_PUT_LANE=false   # and kvgate with these settings
+    .venv/bin/python -m benchmarks.gateway.cost                # PUT, GET at 64 KiB and 2 MiB, HEAD; c=16; 3 rounds
+    .venv/bin/python -m benchmarks.gateway.cost --base 5a2c15d # and kvgate at another revision beside it
+    .venv/bin/python -m benchmarks.gateway.cost --workers-compare 1 2 -c 32   # kvgate with 1 worker against 2
+    .venv/bin/python -m benchmarks.gateway.cost --env-compare KVGATE_PUT_LANE=false   # and kvgate with these settings
 
 The figure is the **server's CPU time per request**: each server's processes (nginx's master and worker; kvgate's
 process, or its supervisor and every worker) are read from ``/proc`` just before and just after each phase, with
@@ -44,7 +44,7 @@ from typing import Any
 
 from app.tools.bench import BenchConfig, OpStats, Runner, bench_key
 from app.tools.bench_clients import AiohttpClient
-from benchmarks.compare import Nginx
+from benchmarks.gateway.compare import Nginx
 from tests.gateway import REPO, Gateway
 
 KiB = 1024
@@ -388,7 +388,7 @@ def report(
         print(line)
     if args.json:
         out = {
-            "command": " ".join(["python -m benchmarks.cost", *sys.argv[1:]]),
+            "command": " ".join(["python -m benchmarks.gateway.cost", *sys.argv[1:]]),
             "cores": os.cpu_count(),
             "load_average": loads,
             "cells": [{"system": s, "op": op, "size": size, **vars(c)} for (s, op, size), c in sorted(cells.items())],

@@ -1,6 +1,6 @@
 """Blocks/s and MB/s of the connector's CPU store and load pipelines against a running kvgate.
 
-    .venv/bin/python -m benchmarks.connector_pipeline [--blocks 96] [--layers 32] [--busy 1]
+    .venv/bin/python -m benchmarks.connector.pipeline [--blocks 96] [--layers 32] [--busy 1]
 
 Synthetic model: ``--layers`` layers, 8 KV heads, head 128, block 16, bf16 (2 MiB canonical blocks at 32 layers).
 Cells: TP=1 store (gather -> PUT) and load (GET -> scatter); TP=4 store as parts (4 writer ranks) and a TP=1 load

@@ -1,7 +1,7 @@
 """Time to first token through ``vllm serve`` (vLLM's OpenAI server, its engine core in a process of its own) with
 kvgate's connector, driven over HTTP by a streaming client: the path users run. A benchmark, not a test.
 
-    KVGATE_ENGINE_PYTHON=/tmp/kvgate-vllm-cpu/bin/python python benchmarks/serve_ttft.py \\
+    KVGATE_ENGINE_PYTHON=/tmp/kvgate-vllm-cpu/bin/python python benchmarks/engine/serve_ttft.py \\
         [--tokens 2048] [--requests 8] [--concurrent 4] [--misses 2] [--json docs/engine-ttft-serve.json]
 
 A shared-prefix workload (as ``vllm bench serve``'s prefix-repetition dataset): every request is one of several long
@@ -35,12 +35,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import aiohttp
 import httpx
 
-from benchmarks.engine_runs import REPO, plain_gets, prompt_of
+from benchmarks.engine.runs import REPO, plain_gets, prompt_of
 from tests.engine.tiny_model import words
 from tests.gateway import Gateway, LoopbackProcess
 

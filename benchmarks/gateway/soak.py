@@ -3,7 +3,7 @@
 Every read is checked byte for byte against what that client last wrote; any other status or a transport error
 counts as an error. The server's RSS is sampled from /proc/<pid>/status. Run:
 
-    .venv/bin/python -m benchmarks.soak --duration 120 --clients 64
+    .venv/bin/python -m benchmarks.gateway.soak --duration 120 --clients 64
 """
 
 from __future__ import annotations

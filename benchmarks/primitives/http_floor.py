@@ -1,11 +1,11 @@
 """The floor under kvgate's HEAD and small PUT: server CPU per request of a bare ASGI app on the same server stack.
 
-    .venv/bin/python -m benchmarks.http_floor [--requests 6000] [-c 16] [--rounds 3] [--put-kib 64]
+    .venv/bin/python -m benchmarks.primitives.http_floor [--requests 6000] [-c 16] [--rounds 3] [--put-kib 64]
 
 Runs uvicorn (uvloop, httptools: what ``kvgate serve`` runs) with an ASGI app that does the least each request
 needs, drives it from an aiohttp client in this process, and reads the server's CPU clock around each round, as
-``benchmarks/cost.py`` does for kvgate and nginx: a HEAD is answered with a fixed 200 and two headers; a PUT's body
-is read and written as nginx's WebDAV writes it (a new file with ``O_EXCL``, one ``writev`` of the received chunks,
+``benchmarks/gateway/cost.py`` does for kvgate and nginx: a HEAD is answered with a fixed 200 and two headers; a PUT's
+body is read and written as nginx's WebDAV writes it (a new file with ``O_EXCL``, one ``writev`` of the received chunks,
 a rename over the key's file), with no checksum, no index and no middleware. Whatever kvgate spends above these
 figures is its own (checksums, the index, stamps and locks, middleware, routing); the figures themselves are the
 HTTP server's, in Python, and the kernel's file work, which nginx does in C.
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import aiohttp
 
-from benchmarks.cost import cpu_seconds, prime_page_cache
+from benchmarks.gateway.cost import cpu_seconds, prime_page_cache
 
 APP = """
 import os

@@ -1,6 +1,6 @@
 """CPU per hop of a call to a worker thread: app/threads.py against anyio.to_thread and loop.run_in_executor.
 
-    .venv/bin/python -m benchmarks.threads_hop [--calls 20000] [-c 16]
+    .venv/bin/python -m benchmarks.primitives.threads_hop [--calls 20000] [-c 16]
 
 Each way runs ``--calls`` trivial calls from ``-c`` tasks on uvloop; the figure is the process's CPU time (every
 thread) per call, and the wall time per call. Run twice: the first pass warms the threads.

@@ -1,4 +1,4 @@
-"""The history checker, long: ``python -m benchmarks.history --seconds 300 --nemesis all`` runs the filesystem
+"""The history checker, long: ``python -m tests.e2e.run_history --seconds 300 --nemesis all`` runs the filesystem
 scenario (one gateway killed -9 at random points, kvgate gc and kvgate import beside it) and the replica scenario
 (gateways over SeaweedFS and PostgreSQL, one killed -9 and restarted at random points), and prints each run's counts:
 the faults injected by kind, the answers, and the problems found. ``--nemesis`` picks the fault kinds

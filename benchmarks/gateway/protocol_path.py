@@ -1,6 +1,6 @@
 """CPU per HEAD of the server's own protocol path, without sockets: the HEAD lane against the full ASGI stack.
 
-    .venv/bin/python -m benchmarks.protocol_path [--requests 20000] [--rounds 3]
+    .venv/bin/python -m benchmarks.gateway.protocol_path [--requests 20000] [--rounds 3]
 
 Builds the server ``kvgate serve`` runs (``create_server``: the bounded httptools protocol, the lane, the app) on a
 temporary data directory, runs its lifespan, stores one block, then feeds the same ``HEAD`` request bytes straight
@@ -8,7 +8,7 @@ into one connection's protocol object (a transport that only collects what is wr
 prints the process CPU per request. With the lane the answer is written inside ``data_received``; through the
 stack (``KVGATE_HEAD_LANE=false``) each request's task runs before the next is fed (one ``await`` per request, which
 the figure includes). No system calls for the socket, no client: the Python a request costs, which a real run
-multiplies (the client shares the cores and the caches; ``benchmarks.cost`` gives the figure that counts).
+multiplies (the client shares the cores and the caches; ``benchmarks.gateway.cost`` gives the figure that counts).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ gateway in every round, and prints MB/s and the gateway/direct ratio: the median
 and highest round. The direct client is aioboto3 with the gateway's own botocore settings (no CRC checksums). Every
 GET's bytes are checked against what was written.
 
-    .venv/bin/python benchmarks/s3_vs_direct.py --blocks 64 --concurrency 8 --rounds 5
+    .venv/bin/python benchmarks/gateway/s3_vs_direct.py --blocks 64 --concurrency 8 --rounds 5
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import aioboto3
 import aiohttp
 from aiobotocore.config import AioConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.gateway import Gateway
 from tests.s3_servers import S3_CREDS, MotoServer, S3TestServer, SeaweedServer, weed_binary

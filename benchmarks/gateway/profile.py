@@ -1,8 +1,8 @@
 """Where a gateway's CPU goes for one kind of request: py-spy samples a real gateway under load.
 
-    .venv/bin/python -m benchmarks.profile --op put --size 65536 [--seconds 10] [-c 16] [--out put.txt]
+    .venv/bin/python -m benchmarks.gateway.profile --op put --size 65536 [--seconds 10] [-c 16] [--out put.txt]
 
-Starts a gateway (filesystem backend, block fsync off, as benchmarks/cost.py), drives ``--op`` at concurrency
+Starts a gateway (filesystem backend, block fsync off, as benchmarks/gateway/cost.py), drives ``--op`` at concurrency
 ``-c`` from an in-process aiohttp client (a PUT phase first when the op reads), and samples the gateway with py-spy
 (``pip install py-spy``; it needs ptrace, as root here) for ``--seconds``, every thread, idle time left out. Prints
 the share of samples by area (a frame's file decides: the HTTP server, Starlette/FastAPI, kvgate's middleware,
@@ -135,7 +135,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="kvgate-profile-"))
     env = {"KVGATE_BACKEND__KIND": "fs", "KVGATE_BACKEND__FSYNC": "false"}
     env |= dict(item.split("=", 1) for item in args.env)
-    for seed in range(200):  # the keys' directories, as in a cache that has run a while (benchmarks/cost.py)
+    for seed in range(200):  # the keys' directories, as in a cache that has run a while (benchmarks/gateway/cost.py)
         for i in range(500):
             (work / "data" / "blocks" / bench_key(seed=seed, i=i).rsplit("/", 1)[0]).mkdir(parents=True, exist_ok=True)
     gw = Gateway(work / "data", env=env).start()

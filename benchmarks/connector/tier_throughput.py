@@ -1,7 +1,8 @@
 """Store and load throughput of KVGateTier (vLLM 0.33 secondary tier) against a local gateway, with vLLM's own fs
 tier on the same disk as the baseline of the same run. Run it with the oracle venv's python (it imports vllm):
 
-    /tmp/vllm-oracle/bin/python benchmarks/tier_throughput.py [--rows 128] [--row-mib 2] [--job-rows 16] [--no-fsync]
+    /tmp/vllm-oracle/bin/python benchmarks/connector/tier_throughput.py [--rows 128] [--row-mib 2] [--job-rows 16]
+        [--no-fsync]
 
 It starts a gateway (``--gateway-python``, default .venv/bin/python, ``python -m app serve``) on a loopback port with
 its data under a temp dir, or uses ``--url``. Both tiers are built by vLLM's SecondaryTierFactory over one
@@ -25,7 +26,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from tests.vllm.tier_driver import Steps, keys_for, kvgate_tier_cfg, make_spec, standalone_tier  # noqa: E402

@@ -1,6 +1,6 @@
 """Checksums per core: GB/s of one thread's CPU time over 2 MiB buffers, for each candidate that is installed.
 
-    .venv/bin/python -m benchmarks.checksums [--mib 2] [--runs 5]
+    .venv/bin/python -m benchmarks.primitives.checksums [--mib 2] [--runs 5]
 
 hashlib's sha256 and awscrt (a kvgate dependency) always; ``xxhash``, ``crc64fast`` and ``google-crc32c`` when
 present (``pip install xxhash crc64fast google-crc32c`` to compare them). Each figure is the median of ``--runs``

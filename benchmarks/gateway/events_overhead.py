@@ -1,7 +1,7 @@
 """PUT throughput with KV events on and off, in one run on one machine, and the events/s a subscriber receives.
 
-    .venv/bin/python -m benchmarks.events_overhead [--count 2000] [--concurrency 16] [--block-size 4096] [--rounds 3]
-        [--meta-tokens 16] [--base REV]
+    .venv/bin/python -m benchmarks.gateway.events_overhead [--count 2000] [--concurrency 16] [--block-size 4096]
+        [--rounds 3] [--meta-tokens 16] [--base REV]
 
 Starts two gateways on loopback (filesystem backend, each its own data dir): events off, and events on (ZMQ PUB and
 replay sockets on loopback) with a ZMQ subscriber in this process decoding every batch. Runs ``kvgate bench``

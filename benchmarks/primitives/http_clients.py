@@ -1,6 +1,6 @@
 """httpx.AsyncClient vs aiohttp against a running kvgate: 2 MiB PUT/GET at 8-32 connections, and HEAD.
 
-    .venv/bin/python -m benchmarks.http_clients [--ops 96] [--size-mib 2]
+    .venv/bin/python -m benchmarks.primitives.http_clients [--ops 96] [--size-mib 2]
 
 Starts its own gateway (filesystem backend, fsync off so the disk does not dominate) on loopback, runs each
 (client, op, connections) cell once over the same keys and prints ops/s, MB/s and the aiohttp/httpx ratio.

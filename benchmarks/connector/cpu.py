@@ -39,11 +39,11 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness import key_for
 from connector import client as this_client
 from connector.checksums import checksum
 from contract.wire import CHECKSUM_HEADER
-from tests.conftest import key_for
-from tests.gateway import REPO, Gateway
+from loopback.gateway import REPO, Gateway
 
 BASE = "68d541f"
 """main before CRC64NVME: its client sends and checks sha256."""

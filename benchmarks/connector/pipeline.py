@@ -27,7 +27,7 @@ from connector.pipeline import WorkerPipeline
 from connector.plan import BlockJob
 from connector.transfer import BlockTransfer, KVLayout
 from contract.keys import KVGroup, RunNaming, naming
-from tests.gateway import Gateway
+from loopback.gateway import Gateway
 
 HEADS, HEAD, BLOCK = 8, 128, 16
 

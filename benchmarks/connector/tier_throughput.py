@@ -29,7 +29,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from tests.vllm.tier_driver import Steps, keys_for, kvgate_tier_cfg, make_spec, standalone_tier  # noqa: E402
+from loopback.vllm_tier import Steps, keys_for, kvgate_tier_cfg, make_spec, standalone_tier  # noqa: E402
 
 
 def free_port() -> int:

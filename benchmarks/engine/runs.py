@@ -21,8 +21,8 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tests.engine.tiny_model import words  # noqa: E402  (stdlib only at import)
-from tests.s3_servers import S3TestServer  # noqa: E402  (httpx only; boto3 only to start SeaweedFS)
+from loopback.s3_servers import S3TestServer  # noqa: E402  (httpx only; boto3 only to start SeaweedFS)
+from loopback.tiny_model import words  # noqa: E402  (stdlib only at import)
 
 BLOCK = 32
 TOKENS_PER_WORD = 1.95
@@ -85,7 +85,7 @@ class Engines:
 
 def s3_server(kind: str, work: Path) -> S3TestServer | None:
     """The S3 server for the S3 column: ``seaweedfs``, ``moto``, or ``auto`` (the first that is installed)."""
-    from tests.s3_servers import MotoServer, SeaweedServer, weed_binary
+    from loopback.s3_servers import MotoServer, SeaweedServer, weed_binary
 
     if kind in ("auto", "seaweedfs") and (weed := weed_binary()) is not None:
         return SeaweedServer(root=work / "seaweedfs", weed=weed).start()

@@ -18,7 +18,7 @@ Each server first answers a short prompt twice (its one-off costs: a first forwa
      a load must not slow them.
 3. C, without kvgate: the hits' requests recomputed (the TTFT of a miss without kvgate, against A's), then the
    misses at once again (against B's).
-The model is tests/engine/tiny_model.py's random Llama (32 KiB of KV per token); nothing is downloaded.
+The model is loopback/tiny_model.py's random Llama (32 KiB of KV per token); nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ import aiohttp
 import httpx
 
 from benchmarks.engine.runs import REPO, plain_gets, prompt_of
-from tests.engine.tiny_model import words
-from tests.gateway import Gateway, LoopbackProcess
+from loopback.gateway import Gateway, LoopbackProcess
+from loopback.tiny_model import words
 
 KV_BYTES_PER_TOKEN = 8 * 2 * 8 * 64 * 4
 """The model's KV per token: 8 layers, K and V, 8 KV heads of 64, float32."""
@@ -217,7 +217,7 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         model = work / "model"
         sizes = ["--layers", "8", "--hidden", "1024", "--heads", "16", "--kv-heads", "8"]
-        subprocess.run([py, str(REPO / "tests/engine/tiny_model.py"), str(model), *sizes], check=True)
+        subprocess.run([py, str(REPO / "loopback/tiny_model.py"), str(model), *sizes], check=True)
         max_len = int(a.tokens * 1.25) + 256
         gw = Gateway(work / "data").start()
         try:

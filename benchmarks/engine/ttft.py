@@ -6,7 +6,7 @@ limit that the bytes set, measured in the same run. A benchmark, not a test: it 
         [--tokens 2048 8192] [--runs 3] [--modes inproc mp] [--s3 auto|seaweedfs|moto|none] [--tp2-runs 2] \\
         [--json docs/engine-ttft.json] [--plot docs/engine-ttft.png]
 
-The model is random-weight (tests/engine/tiny_model.py: 8 layers, hidden 1024, 8 KV heads, float32, 32 KiB of KV per
+The model is random-weight (loopback/tiny_model.py: 8 layers, hidden 1024, 8 KV heads, float32, 32 KiB of KV per
 token; nothing downloaded). Every figure is the median of ``--runs`` fresh engine processes, with the lowest and
 highest, for both engine modes: ``inproc`` (the engine core in the caller's process, VLLM_ENABLE_V1_MULTIPROCESSING=0,
 as inference embedded in a training or evaluation loop runs it) and ``mp`` (in its own process, as ``vllm serve``
@@ -51,7 +51,7 @@ from benchmarks.engine.runs import (
     s3_server,
     tp_range_gets,
 )
-from tests.gateway import Gateway
+from loopback.gateway import Gateway
 
 Figures = dict[str, dict[int, dict[str, Spread]]]
 """mode -> prompt index -> column (or part) -> samples."""
@@ -84,7 +84,7 @@ def main() -> None:
         work = Path(tmp)
         model = work / "model"
         sizes = ["--layers", a.layers, "--hidden", a.hidden, "--heads", a.heads, "--kv-heads", a.kv_heads]
-        subprocess.run([py, str(REPO / "tests/engine/tiny_model.py"), str(model), *map(str, sizes)], check=True)
+        subprocess.run([py, str(REPO / "loopback/tiny_model.py"), str(model), *map(str, sizes)], check=True)
         prompts = [prompt_of(n, seed=5000 + i) for i, n in enumerate(a.tokens)]
         engines = Engines(
             python=py, model=model, work=work, max_model_len=int(max(a.tokens) * 1.25) + 256, dtype=a.dtype

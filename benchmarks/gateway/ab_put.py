@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.gateway.compare import bench
-from tests.gateway import REPO, Gateway
+from loopback.gateway import REPO, Gateway
 
 
 def main() -> None:

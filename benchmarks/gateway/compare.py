@@ -26,8 +26,8 @@ from typing import Any
 
 import httpx
 
-from tests.gateway import REPO, Gateway, free_port
-from tests.services import MotoServer
+from loopback.gateway import REPO, Gateway, free_port
+from loopback.s3_servers import MotoServer
 
 MiB = 1024 * 1024
 BLOCK = 2 * MiB

@@ -45,7 +45,7 @@ from typing import Any
 from app.tools.bench import BenchConfig, OpStats, Runner, bench_key
 from app.tools.bench_clients import AiohttpClient
 from benchmarks.gateway.compare import Nginx
-from tests.gateway import REPO, Gateway
+from loopback.gateway import REPO, Gateway
 
 KiB = 1024
 MiB = 1024 * KiB

@@ -31,14 +31,18 @@ from typing import Any
 import msgspec
 import zmq
 
+from app.backends import open_backends
+from app.config import MemoryBackend, Settings
+from app.core.versions import row_for
 from app.events.publisher import Publisher
+from app.events.setup import FIRST_SEQ
 from app.events.wire import EventCodec, KVEventBatch, Topics
 from app.events.zmq_outlet import ZmqPublisher
-from app.index import LogNote
-from tests.conftest import key_for
-from tests.events.helpers import events_gateway
-from tests.events.log_harness import log_index, record
-from tests.gateway import REPO, Gateway
+from app.index import BlockRecord, LogNote
+from app.storage.base import Version
+from benchmarks.harness import key_for
+from contract.keys import parse_block_key
+from loopback.gateway import REPO, Gateway, free_port
 
 
 class Counter(threading.Thread):
@@ -68,6 +72,13 @@ class Counter(threading.Thread):
         self.ctx.term()
 
 
+def events_on(data_dir: Path, env: dict[str, str]) -> tuple[Gateway, str]:
+    """A gateway (not started) with KV events on, each socket on a port of its own; and the endpoint it publishes on."""
+    pub, replay = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    events = {"KVGATE_EVENTS_ENABLED": "true", "KVGATE_EVENTS_ENDPOINT": pub, "KVGATE_EVENTS_REPLAY_ENDPOINT": replay}
+    return Gateway(data_dir, env={**events, **env}), pub
+
+
 def cpu_seconds(gw: Gateway) -> float:
     """User + system CPU seconds of a gateway process so far (Linux /proc)."""
     assert gw.proc is not None
@@ -94,14 +105,20 @@ async def _publish(n: int, meta_tokens: int, endpoint: str | None, counter: Coun
     import asyncio
 
     with tempfile.TemporaryDirectory(prefix="kvgate-events-pub-") as tmp:
-        async with log_index(f"sqlite+aiosqlite:///{tmp}/index.db") as index:
+        settings = Settings(
+            data_dir=Path(tmp), backend=MemoryBackend(), events_enabled=True, access_flush_interval_s=3600
+        )
+        async with open_backends(settings) as backends:
+            index = backends.index
+            await index.event_init(first_seq=FIRST_SEQ)
+
+            def row(path: str) -> BlockRecord:
+                return row_for(parse_block_key(path), Version(size=4096, digest="0" * 64), stamp=None, created_at=0.0)
+
             note = LogNote(token_ids=tuple(range(meta_tokens)), parent="ab" * 32) if meta_tokens else None
             for start in range(0, n, 1000):
                 await asyncio.gather(
-                    *(
-                        index.swap_block(record(key_for(i), size=4096), note=note)
-                        for i in range(start, min(n, start + 1000))
-                    )
+                    *(index.swap_block(row(key_for(i)), note=note) for i in range(start, min(n, start + 1000)))
                 )
             zmq_pub = None
             if endpoint is not None:
@@ -130,8 +147,6 @@ def loop_cost_us(n: int, meta_tokens: int) -> float:
     batch stored, the PUB send."""
     import asyncio
 
-    from tests.gateway import free_port
-
     _seconds, cpu = asyncio.run(_publish(n, meta_tokens, f"tcp://127.0.0.1:{free_port()}", None))
     return 1e6 * cpu / n
 
@@ -139,8 +154,6 @@ def loop_cost_us(n: int, meta_tokens: int) -> float:
 def publisher_capacity(n: int, meta_tokens: int) -> float:
     """Events/s the publisher sustains from the log to a ZMQ subscriber thread that decodes them."""
     import asyncio
-
-    from tests.gateway import free_port
 
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     counter = Counter(endpoint)
@@ -175,18 +188,18 @@ def main() -> None:
             base = root / "base-tree"
             subprocess.run(["git", "worktree", "add", "--detach", str(base), args.base], cwd=REPO, check=True)
             a_name, b_name = f"base {args.base}"[:11], "this tree"
-            first = events_gateway(root / "base", env=fast)
+            first, first_pub = events_on(root / "base", fast)
             first.cwd = base
         else:
             a_name, b_name = "events off", "events on"
-            first = Gateway(root / "off", env=fast)
-        on = events_gateway(root / "on", env=fast)
+            first, first_pub = Gateway(root / "off", env=fast), ""
+        on, on_pub = events_on(root / "on", fast)
         figures: dict[str, list[float]] = {a_name: [], b_name: []}
         cpu: dict[str, list[float]] = {a_name: [], b_name: []}
         ratios: list[float] = []
         rates: list[float] = []
-        counter = Counter(on.pub)  # type: ignore[attr-defined]
-        other = Counter(first.pub) if args.base else None  # type: ignore[attr-defined]
+        counter = Counter(on_pub)
+        other = Counter(first_pub) if args.base else None
         try:
             first.start()
             on.start()

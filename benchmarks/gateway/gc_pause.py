@@ -2,7 +2,7 @@
 
     .venv/bin/python -m benchmarks.gateway.gc_pause [--cache-entries 65536] [--repeat 3]
 
-Runs the app's lifespan in this process (memory store, SQLite index in a temp dir; as tests/unit/inprocess.py),
+Runs the app's lifespan in this process (memory store, SQLite index in a temp dir, no token, no KV events),
 serves a few requests, then times ``gc.collect()`` (best of ``--repeat``): with what the lifespan froze (the
 gateway's own state since it freezes at start-up), and with it unfrozen (what a full collection walked before).
 Then the same with the metadata cache filled with ``--cache-entries`` entries, the other long-lived population
@@ -19,9 +19,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
+
+from app.config import MemoryBackend, Settings
+from app.core.assembly import Core
+from app.main import create_app
 from app.storage.base import Version
-from tests.conftest import key_for
-from tests.unit.inprocess import running, settings_for
+from benchmarks.harness import key_for
 
 
 def full_collection_ms(repeat: int) -> float:
@@ -44,14 +48,28 @@ def timed(label: str, repeat: int, *, frozen: bool) -> float:
 
 async def run(*, entries: int, repeat: int) -> None:
     with tempfile.TemporaryDirectory(prefix="kvgate-gc-") as tmp:
-        async with running(settings_for(Path(tmp))) as gw:
+        settings = Settings(
+            data_dir=Path(tmp),
+            backend=MemoryBackend(),
+            sqlite_synchronous="OFF",
+            events_enabled=False,
+            tokens=[],
+            tokens_file=None,
+        )
+        app = create_app(settings)
+        transport = httpx.ASGITransport(app=app)
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(transport=transport, base_url="http://kvgate.bench") as client,
+        ):
             for _ in range(100):
-                assert (await gw.client.get("/healthz")).status_code == 200
+                assert (await client.get("/healthz")).status_code == 200
+            core: Core = app.state.core
             print(f"\n{'':<44}{'tracked':>10}{'full gc ms':>12}")
             a = timed("start-up frozen (as served)", repeat, frozen=True)
             b = timed("start-up unfrozen (before)", repeat, frozen=False)
             for i in range(entries):
-                gw.core.cache.made(Version(key=key_for(i), size=4096, digest=f"{i:064x}", stamp="0" * 32), epoch=0)
+                core.cache.made(Version(key=key_for(i), size=4096, digest=f"{i:064x}", stamp="0" * 32), epoch=0)
             c = timed(f"+ {entries} cached entries, start-up frozen", repeat, frozen=True)
             d = timed(f"+ {entries} cached entries, unfrozen", repeat, frozen=False)
     print(f"\nfrozen/unfrozen pause: fresh {a / b:.3f}, cache full {c / d:.3f}")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import random
 import sqlite3
 import statistics
@@ -27,13 +26,8 @@ import aiohttp
 import httpx
 
 from app.index.migrate import upgrade_head
-from contract.keys import block_path
-from tests.conftest import TEST_NS
-from tests.gateway import Gateway
-
-
-def key(i: int) -> str:
-    return block_path(namespace=TEST_NS, rank=0, block_hash=hashlib.sha256(str(i).encode()).digest(), group=0)
+from benchmarks.harness import NAMESPACE, key_for
+from loopback.gateway import Gateway
 
 
 def fill_index(data_dir: Path, rows: int, *, batch: int = 100_000) -> float:
@@ -53,11 +47,11 @@ def fill_index(data_dir: Path, rows: int, *, batch: int = 100_000) -> float:
         " VALUES (?, ?, 0, 0, 4096, ?, ?, ?, 0)"
     )
     # Keys in sorted order: the primary-key B-tree is then built by appends, not random page splits.
-    keys = sorted(key(i) for i in range(rows))
+    keys = sorted(key_for(i) for i in range(rows))
     for start in range(0, rows, batch):
         chunk = keys[start : start + batch]
         with conn:
-            conn.executemany(sql, ((k, TEST_NS, digest, now + (start + j) * 1e-6, now) for j, k in enumerate(chunk)))
+            conn.executemany(sql, ((k, NAMESPACE, digest, now + (start + j) * 1e-6, now) for j, k in enumerate(chunk)))
     conn.close()
     return time.perf_counter() - began
 
@@ -66,7 +60,7 @@ async def fill_pg(url: str, rows: int) -> float:
     """The schema by alembic, then ``rows`` block rows by COPY; seconds taken by the copy."""
     import asyncpg  # type: ignore[import-untyped]
 
-    from tests.services import asyncpg_dsn
+    from loopback.postgres import asyncpg_dsn
 
     await upgrade_head(url)
     began = time.perf_counter()
@@ -74,7 +68,8 @@ async def fill_pg(url: str, rows: int) -> float:
     try:
         now = time.time()
         records = [
-            (k, TEST_NS, 0, 0, 4096, "0" * 64, now + j * 1e-6, now, 0) for j, k in enumerate(map(key, range(rows)))
+            (k, NAMESPACE, 0, 0, 4096, "0" * 64, now + j * 1e-6, now, 0)
+            for j, k in enumerate(map(key_for, range(rows)))
         ]
         cols = ["key", "namespace", "rank", "grp", "size", "digest", "created_at", "last_access", "hits"]
         await conn.copy_records_to_table("blocks", records=records, columns=cols)
@@ -97,7 +92,8 @@ def time_lookups(url: str, rows: int, *, n_keys: int, calls: int, seed: int) -> 
         for _ in range(calls):
             first = rng.randrange(0, rows - n_keys)
             hits = rng.randrange(0, n_keys + 1)
-            keys = [key(first + j) for j in range(hits)] + [key(rows + 10 * first + j) for j in range(n_keys - hits)]
+            misses = [key_for(rows + 10 * first + j) for j in range(n_keys - hits)]
+            keys = [key_for(first + j) for j in range(hits)] + misses
             began = time.perf_counter()
             r = c.post("/v1/lookup", json={"keys": keys})
             out.append(time.perf_counter() - began)
@@ -146,7 +142,7 @@ def measure(rows: int, *, calls: int, heads: int, concurrency: int, workdir: Pat
         big = time_lookups(gw.url, rows, n_keys=1000, calls=calls, seed=1)
         one = time_lookups(gw.url, rows, n_keys=1, calls=calls, seed=2)
         rng = random.Random(3)
-        sample = [f"/v1/blocks/{key(rng.randrange(rows))}" for _ in range(heads)]
+        sample = [f"/v1/blocks/{key_for(rng.randrange(rows))}" for _ in range(heads)]
         cold = asyncio.run(rate(gw.url, sample, method="HEAD", concurrency=concurrency, expect=200))
         warm = asyncio.run(rate(gw.url, sample, method="HEAD", concurrency=concurrency, expect=200))
         health = asyncio.run(rate(gw.url, ["/healthz"] * heads, method="GET", concurrency=concurrency, expect=200))
@@ -176,9 +172,9 @@ def main() -> None:
     local = None
     pg = None
     if args.pg:
-        from tests.services import LocalPostgres, _pg_bindir
+        from loopback.postgres import LocalPostgres, pg_bindir
 
-        bindir = _pg_bindir()
+        bindir = pg_bindir()
         if bindir is None:
             raise SystemExit("no PostgreSQL binaries: apt-get install -y postgresql")
         local = LocalPostgres(bindir)

@@ -22,9 +22,9 @@ from pathlib import Path
 import aiohttp
 
 from benchmarks.gateway.compare import cpu_ticks
+from benchmarks.harness import key_for
 from contract.wire import PART_DIGEST_HEADER
-from tests.conftest import key_for
-from tests.gateway import Gateway
+from loopback.gateway import Gateway
 
 MiB = 1024 * 1024
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from app.tools.bench import BenchConfig, OpStats, Runner, bench_key
 from app.tools.bench_clients import AiohttpClient
-from tests.gateway import Gateway
+from loopback.gateway import Gateway
 
 AREAS = (
     ("hashlib", "hashing"),

@@ -27,7 +27,7 @@ from uvicorn.server import ServerState
 
 from app.config import Settings
 from app.main import create_server
-from tests.conftest import key_for
+from benchmarks.harness import key_for
 
 
 class CollectingTransport(asyncio.Transport):

@@ -29,8 +29,8 @@ from aiobotocore.config import AioConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.gateway import Gateway
-from tests.s3_servers import S3_CREDS, MotoServer, S3TestServer, SeaweedServer, weed_binary
+from loopback.gateway import Gateway
+from loopback.s3_servers import S3_CREDS, MotoServer, S3TestServer, SeaweedServer, weed_binary
 
 MB = 1_000_000
 

@@ -22,7 +22,7 @@ import httpx
 
 from app.api.middleware.principals import hash_token
 from contract.keys import block_path
-from tests.gateway import Gateway
+from loopback.gateway import Gateway
 
 NAMESPACE = "soak-model_0123456789ab"
 TOKEN = "soak-writer-token"

@@ -22,8 +22,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tests.gateway import REPO, Gateway
-from tests.security.tls_pki import CA, TlsGateway
+from loopback.gateway import REPO, Gateway
+from loopback.tls_pki import CA, TlsGateway
 
 
 def bench(url: str, out: Path, args: argparse.Namespace, tls: list[str]) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import aiohttp
 import httpx
 
 from contract.keys import block_path
-from tests.gateway import Gateway
+from loopback.gateway import Gateway
 
 NS = "bench-model_0123456789ab"
 Op = Callable[[int], Awaitable[None]]

@@ -26,12 +26,12 @@ from typing import Any
 
 import httpx
 
+from loopback.s3_servers import S3TestServer
 from tests.capacity.helpers import block_files, index_rows
 from tests.e2e.history import History, Traffic, Verdict, check, digest_of, final_state, workload_keys
 from tests.e2e.nemesis import KINDS, Clocks, PgFaults, Rot, S3Faults, S3Rot
 from tests.gateway import REPO, Gateway
 from tests.pg_proxy import PgFaultProxy
-from tests.s3_servers import S3TestServer
 from tests.services import asyncpg_dsn
 from tests.tcp_faults import TcpFaultProxy
 

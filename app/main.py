@@ -127,7 +127,7 @@ def _app(cfg: Settings, *, principals: Principals | None) -> FastAPI:
         docs_url=None,  # served by app.api.routes.docs from packaged assets, not a CDN
         redoc_url=None,
         # kvgate's metrics are its own (Prometheus, /metrics); FastAPI's OpenTelemetry would look for its providers
-        # in every request (the global providers): 4.8 us a request, ~3% of a HEAD's CPU, for nothing
+        # in every request (the global providers): CPU on every request, for nothing
         telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     app.state.settings = cfg
@@ -217,9 +217,9 @@ async def _serving(app: FastAPI, *, cfg: Settings, backends: Backends) -> AsyncI
         app.state.started_at = time.monotonic()
         # Everything built so far (modules, FastAPI's routes and models, SQLAlchemy's tables, botocore's service
         # model) lives as long as the process. Frozen out of the collector's reach, it is no longer walked by a
-        # full collection, during which the event loop stands still: 78 ms -> 0.3 ms fresh, 101 -> 14 ms with
-        # the metadata cache full (python -m benchmarks.gc_pause). Full collections are rare in steady state
-        # but come with bursts of new long-lived objects, such as a filling cache.
+        # full collection, during which the event loop stands still (python -m benchmarks.gateway.gc_pause: fresh
+        # and with the metadata cache full, frozen and not). Full collections are rare in steady state but come with
+        # bursts of new long-lived objects, such as a filling cache.
         gc.collect()  # start-up's own cyclic garbage is collected, not frozen with the rest
         gc.freeze()
         log.info("kvgate ready backend=%s index=%s", cfg.backend.kind, cfg.resolved_db_url.split("://")[0])

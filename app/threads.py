@@ -1,10 +1,11 @@
 """Worker threads for the blocking calls of the data path, at a few microseconds of CPU per call.
 
 A small PUT hands its file work to a thread two or three times (create, write and seal the staged file; publish
-it), and a GET one or two (open, read). Through ``anyio.to_thread.run_sync`` such a hop cost about 68 us of CPU
-on this machine (a cancel scope, a capacity limiter, a ``queue.Queue`` per worker: several Python-level locks per
-hop), through ``loop.run_in_executor`` 16-25 us; this pool hands the call over one ``queue.SimpleQueue`` (C) and
-returns its result with one ``call_soon_threadsafe``: 4-10 us (``python -m benchmarks.threads_hop``).
+it), and a GET one or two (open, read). Through ``anyio.to_thread.run_sync`` such a hop takes several Python-level
+locks (a cancel scope, a capacity limiter, a ``queue.Queue`` per worker), through ``loop.run_in_executor`` fewer;
+this pool hands the call over one ``queue.SimpleQueue`` (C) and returns its result with one
+``call_soon_threadsafe``, the cheapest of the three (``python -m benchmarks.primitives.threads_hop``; figures:
+docs/benchmarks.md).
 
 Cancellation is anyio's default: a caller cancelled while its call runs on a thread waits for the call to end and
 is then cancelled, so a blocking call never outlives the code that cleans up after it (a staged file created by a

@@ -1,4 +1,4 @@
-"""Throughput vs concurrency per system, from the report benchmarks/compare.py writes (matplotlib, PNG)."""
+"""Throughput vs concurrency per system, from the report benchmarks/gateway/compare.py writes (matplotlib, PNG)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 Sync callers ``submit(coro)`` and get a ``concurrent.futures.Future``; the coroutines (``put``, ``get``,
 ``lookup``, ...) run on the client's loop. The data path uses aiohttp: measured against a running kvgate
-(benchmarks/http_clients.py) it is 3-5x faster than httpx.AsyncClient on 2 MiB GETs and 4-12x on HEAD, and on par
-for PUT.
+(benchmarks/primitives/http_clients.py) it is 3-5x faster than httpx.AsyncClient on 2 MiB GETs and 4-12x on HEAD,
+and on par for PUT.
 
 - Bounded: a connection pool (``max_connections``), per-call timeouts, and ONE budget of bytes in flight shared by
   every way into vLLM: the connector's stores ``reserve`` (a store that does not fit is dropped and counted, never

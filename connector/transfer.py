@@ -73,7 +73,7 @@ def one_copy_thread() -> Iterator[None]:
     """CPU tensors: copy on the calling thread alone. A block's layers are many small copies, each one of torch's
     parallel regions; with the cores shared (an engine, the client's loop, other processes) every region waits for
     its slowest thread to be scheduled: 0.3x of a raw PUT with one other busy process, 1.1x on one thread
-    (``python -m benchmarks.connector_pipeline --busy 1``). The caller's setting is restored after."""
+    (``python -m benchmarks.connector.pipeline --busy 1``). The caller's setting is restored after."""
     threads = torch.get_num_threads()
     if threads == 1 or not inspect.isbuiltin(torch.set_num_threads):
         # vLLM's CPU worker binds its OpenMP threads to cores and replaces torch.set_num_threads (a builtin) with a

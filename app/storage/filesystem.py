@@ -11,7 +11,7 @@ File calls run on worker threads (app/threads.py), except those that cannot wait
 a read the page cache holds (``RWF_NOWAIT``; a read that would wait goes to a thread) and its open, and, when the
 store does not fsync, a small version's writes, rename and discard. Those run on the event loop, where a hop to a
 thread and back costs more CPU than the call (PUT 64 KiB 0.73x, GET 64 KiB 0.59x of the CPU with every call on a
-thread: ``python -m benchmarks.cost``), as nginx runs its file calls on its event loop.
+thread: ``python -m benchmarks.gateway.cost``), as nginx runs its file calls on its event loop.
 """
 
 from __future__ import annotations

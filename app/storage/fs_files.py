@@ -260,10 +260,9 @@ WRITE_CALL_BYTES = 1024 * 1024
 """The most bytes one ``writev``/``pwritev`` call hands the kernel. A write that covers an aligned 2 MiB range of
 a file lets the kernel's page cache take a whole 2 MiB folio for it (ext4 on Linux 6.x with large folios), and on a
 VM that hands free memory back to its host (virtio-balloon free page reporting) such a block is one the host has
-taken back: the copy into it then costs several times the same bytes in smaller folios. Measured here (2 cores,
-Linux 6.18, ext4), system CPU per 2 MiB file: one call 7.75 ms, calls of 1 MiB 0.79 ms (9.8x), of 256 KiB and 64 KiB
-0.91 and 1.01 ms (``python -m benchmarks.write_calls``); with the page cache growing all along (``--keep``) one call
-still costs 3.9x calls of 1 MiB."""
+taken back: the copy into it then costs several times the same bytes in smaller folios. Calls of 1 MiB and less
+cost about the same as each other, one call of 2 MiB several times more, also with the page cache growing all
+along (``python -m benchmarks.primitives.write_calls [--keep]``; figures: docs/benchmarks.md)."""
 
 
 def write_all(fd: int, pieces: Sequence[bytes], offset: int | None) -> None:

@@ -1,6 +1,6 @@
 """``kvgate bench`` against a real gateway: it runs, the JSON has the figures, every GET's bytes check out.
 
-No timing assertions: speed is measured by benchmarks/compare.py, which prints ratios against nginx.
+No timing assertions: speed is measured by benchmarks/gateway/compare.py, which prints ratios against nginx.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The connector CPU benchmark's floor client (benchmarks/connector_cpu.py) does a connector's store: its PUTs carry
+"""The connector CPU benchmark's floor client (benchmarks/connector/cpu.py) does a connector's store: its PUTs carry
 the connector's checksum and land, byte for byte, and a PUT the gateway refuses fails the floor's round instead of
 being counted as stored. Its figure is only a floor if it does the same work."""
 
@@ -9,7 +9,7 @@ import hashlib
 import httpx
 import pytest
 
-from benchmarks.connector_cpu import FloorClient
+from benchmarks.connector.cpu import FloorClient
 from connector.checksums import checksum
 from contract.wire import CHECKSUM_HEADER
 from tests.conftest import key_for, random_bytes

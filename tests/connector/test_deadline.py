@@ -1,6 +1,6 @@
 """Never slower than recompute: every load has a deadline, and the cost model loads only what pays.
 
-A real gateway behind a test-only TCP proxy (tests/proxy.py) that throttles its answers or stops passing them
+A real gateway behind a test-only TCP proxy (loopback/proxy.py) that throttles its answers or stops passing them
 half-way. The worker pipeline loads into CPU KV tensors; the scheduler's planner asks the gateway for real.
 """
 
@@ -17,9 +17,9 @@ from connector.cost import MIB, CostModel, CostSettings
 from connector.pipeline import WorkerPipeline
 from connector.plan import BlockJob, KeyScheme, SchedulerPlanner
 from connector.transfer import BlockTransfer, KVLayout
+from loopback.proxy import proxy
 from tests.connector.test_pipeline import BLOCK, LAYER_NAMES, full_kv, hashes, run_naming, same, shard
 from tests.gateway import Gateway
-from tests.proxy import proxy
 
 DTYPE = torch.bfloat16
 TRANSFER_TIMEOUT_S = 30.0

@@ -14,9 +14,9 @@ import torch
 from connector.client import BlockClient, ClientConfig
 from connector.pipeline import WorkerPipeline
 from connector.transfer import BlockTransfer, KVLayout
+from loopback.proxy import proxy
 from tests.connector.test_pipeline import LAYER_NAMES, full_kv, hashes, job, load, run_naming, same, shard
 from tests.gateway import Gateway
-from tests.proxy import proxy
 
 DTYPE = torch.bfloat16
 N = 6

@@ -306,7 +306,7 @@ def test_odd_rows_fall_back_to_narrower_words(dtype: torch.dtype, head_size: int
 
 def test_cpu_copies_run_on_one_thread_and_the_setting_is_restored(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each layer's copy would be one of torch's parallel regions; on shared cores they wait for the slowest thread
-    (store 0.3x of a raw PUT with one busy process beside, benchmarks.connector_pipeline --busy 1), so CPU copies
+    (store 0.3x of a raw PUT with one busy process beside, benchmarks.connector.pipeline --busy 1), so CPU copies
     run on the calling thread alone, and the caller's thread count comes back after."""
     before = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -1,5 +1,5 @@
 """The history checker's two scenarios against real processes (tests/e2e/history.py has the traffic and the
-checks). ``tests/e2e/test_history.py`` runs them short in CI; ``python -m benchmarks.history`` runs them long.
+checks). ``tests/e2e/test_history.py`` runs them short in CI; ``python -m tests.e2e.run_history`` runs them long.
 
 - ``fs``: one gateway on the filesystem and SQLite, killed -9 and restarted (reconcile on) at random points, with
   ``kvgate gc`` running in a loop beside it and ``kvgate import`` of a vLLM fs-tier directory, whose files name some
@@ -26,12 +26,12 @@ from typing import Any
 
 import httpx
 
+from loopback.s3_servers import S3TestServer
 from tests.capacity.helpers import block_files, index_rows
 from tests.e2e.history import History, Traffic, Verdict, check, digest_of, final_state, workload_keys
 from tests.e2e.nemesis import KINDS, Clocks, PgFaults, Rot, S3Faults, S3Rot
 from tests.gateway import REPO, Gateway
 from tests.pg_proxy import PgFaultProxy
-from tests.s3_servers import S3TestServer
 from tests.services import asyncpg_dsn
 from tests.tcp_faults import TcpFaultProxy
 

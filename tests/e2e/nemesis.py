@@ -32,9 +32,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loopback.s3_servers import S3TestServer
 from tests.e2e.history import History
 from tests.pg_proxy import PgFaultProxy
-from tests.s3_servers import S3TestServer
 from tests.tcp_faults import TcpFaultProxy
 
 KINDS = ("kill9", "workers", "points", "gc", "rot", "pg", "s3", "clock", "coord")

@@ -4,7 +4,7 @@ bit-flipped and truncated behind its back, its coordination file removed under i
 own; two replicas over SeaweedFS and PostgreSQL, one killed -9 at random
 points and restarted with its start-up reconcile, PostgreSQL behind a fault proxy that loses COMMIT replies and
 partitions, SeaweedFS behind one that cuts requests, loses replies and partitions, its objects rotted behind
-the gateways' backs. ``python -m benchmarks.history
+the gateways' backs. ``python -m tests.e2e.run_history
 --nemesis all`` runs the same for longer."""
 
 from __future__ import annotations

@@ -30,9 +30,9 @@ import httpx
 import pytest
 
 from app.core.coordination import stripe_of
+from loopback.s3_servers import S3_CREDS, S3TestServer
 from tests.conftest import key_for, matches, random_bytes
 from tests.gateway import REPO, Gateway
-from tests.s3_servers import S3_CREDS, S3TestServer
 from tests.services import asyncpg_dsn, require_or_skip, unique_bucket
 
 AHEAD_MIN = {"moto": 30, "seaweedfs": 14}

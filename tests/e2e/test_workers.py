@@ -21,11 +21,11 @@ import httpx
 import pytest
 
 from app.api.middleware.principals import hash_token
+from loopback.tls_pki import CA, TlsGateway, client_context
 from tests.conftest import key_for, matches, random_bytes, sha
 from tests.e2e.races import Ledger, all_served, assert_fs_agrees, assert_stats_exact, while_reading
 from tests.e2e.test_races import same_key_writers
 from tests.gateway import REPO, Gateway, free_port
-from tests.security.tls_pki import CA, TlsGateway, client_context
 from tests.services import SeaweedServer, unique_bucket
 
 BLOCK = 256 * 1024

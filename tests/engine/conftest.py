@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.engine.tiny_model import words as make_words
+from loopback.tiny_model import words as make_words
 from tests.gateway import REPO, Gateway
 
 HERE = Path(__file__).resolve().parent
@@ -41,7 +41,7 @@ def engine_python() -> str:
 @pytest.fixture(scope="session")
 def tiny_model(engine_python: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiny-model")
-    subprocess.run([engine_python, str(HERE / "tiny_model.py"), str(out)], check=True, timeout=600)
+    subprocess.run([engine_python, str(REPO / "loopback" / "tiny_model.py"), str(out)], check=True, timeout=600)
     return out
 
 

@@ -22,10 +22,10 @@ import httpx
 import pytest
 
 from contract.keys import block_path, namespace_for
+from loopback.tls_pki import CA, TlsGateway, client_context
 from tests.conftest import agnostic_fields, key_for
 from tests.gateway import Gateway
 from tests.security.conftest import TOKENS, tokens_json
-from tests.security.tls_pki import CA, TlsGateway, client_context
 
 MiB = 1024 * 1024
 MAX_BLOCK = 3 * MiB

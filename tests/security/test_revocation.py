@@ -12,11 +12,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from loopback.tls_pki import CA, TlsGateway, client_context, served_cert
 from tests.conftest import key_for, random_bytes
 from tests.gateway import Gateway
 from tests.security.conftest import TOKENS, bearer, tokens_json
 from tests.security.test_tls_rotation import wait_for
-from tests.security.tls_pki import CA, TlsGateway, client_context, served_cert
 
 KEY, DATA = key_for(41), random_bytes(2000, 41)
 

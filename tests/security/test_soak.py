@@ -1,11 +1,11 @@
-"""CI-sized soak (the note's run: `python -m benchmarks.soak --duration 120 --clients 64`)."""
+"""CI-sized soak (the note's run: `python -m benchmarks.gateway.soak --duration 120 --clients 64`)."""
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
 
-from benchmarks.soak import run_soak, soak_gateway
+from benchmarks.gateway.soak import run_soak, soak_gateway
 
 
 def test_soak_64_clients(tmp_path: Path) -> None:

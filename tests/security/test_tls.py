@@ -14,9 +14,9 @@ import pytest
 
 from app.api.middleware.principals import hash_token
 from connector.client import BlockClient, ClientConfig, GatewayTLSError
+from loopback.tls_pki import CA, DAY, NOW, TlsGateway
 from tests.conftest import key_for, random_bytes
 from tests.gateway import Gateway
-from tests.security.tls_pki import CA, DAY, NOW, TlsGateway
 
 ADMIN_TOKEN = "tok-tls-admin-41"
 

@@ -17,10 +17,10 @@ from cryptography.x509.oid import NameOID
 
 from app.api.middleware.cert_identity import CertPrincipals, alt_names, canonical_subject, subject_name
 from app.config import TokenSpec
+from loopback.tls_pki import CA, TlsGateway, client_context
 from tests.conftest import TEST_NS
 from tests.security.conftest import OTHER_NS, bearer, tokens_json
 from tests.security.test_auth_matrix import CALLS, DATA, FIELDS, KEY, Call, expected
-from tests.security.tls_pki import CA, TlsGateway, client_context
 
 CERT_PRINCIPALS = [
     {"name": "cert-reader", "cert_subject": "CN=reader-node,O=kvgate-tests", "role": "read"},
@@ -147,7 +147,7 @@ def test_subject_matches_openssl_and_cryptography(tmp_path: Path) -> None:
     from cryptography.hazmat.primitives import hashes
 
     cert = builder.sign(ca.key, hashes.SHA256())
-    from tests.security.tls_pki import Leaf
+    from loopback.tls_pki import Leaf
 
     path, _ = Leaf(cert=cert, key=leaf.key).write(tmp_path, "n7")
     parsed = peercert_of(path)

@@ -16,9 +16,9 @@ import pytest
 
 from app.api.server.bind import bind_warnings
 from app.config import Settings, TokenSpec
+from loopback.tls_pki import CA, Leaf, TlsGateway, client_context, served_cert
 from tests.conftest import key_for, random_bytes
 from tests.gateway import REPO, free_port
-from tests.security.tls_pki import CA, Leaf, TlsGateway, client_context, served_cert
 
 
 def wait_for(what: str, cond: Callable[[], bool], *, timeout_s: float = 20.0) -> None:

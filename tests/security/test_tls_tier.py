@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.security.tls_pki import CA, TlsGateway, client_context
+from loopback.tls_pki import CA, TlsGateway, client_context
 from tests.vllm.tier_harness import rows, run_driver
 
 pytestmark = pytest.mark.vllm

@@ -1,6 +1,6 @@
 """The filesystem store's file calls that cannot wait on the disk run on the event loop, not a worker thread.
 
-A worker-thread hop costs more CPU than a small write or a page-cache read (``python -m benchmarks.cost``): a
+A worker-thread hop costs more CPU than a small write or a page-cache read (``python -m benchmarks.gateway.cost``): a
 version's writes, rename and discard run inline when the store does not fsync and the body is at most
 ``inline_bytes``; reads run inline only when the page cache holds the bytes (``RWF_NOWAIT``), and go to a thread
 when it does not or when the filesystem cannot tell. The answers are the same bytes either way.

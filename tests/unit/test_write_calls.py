@@ -1,6 +1,6 @@
 """The filesystem store hands the kernel at most ``WRITE_CALL_BYTES`` per write call: a 2 MiB block written in one
 call costs several times two 1 MiB calls on a VM whose free memory goes back to its host (fs_files.WRITE_CALL_BYTES,
-``python -m benchmarks.write_calls``)."""
+``python -m benchmarks.primitives.write_calls``)."""
 
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from loopback.proxy import proxy
 from tests.gateway import Gateway, free_port
-from tests.proxy import proxy
 from tests.vllm.tier_harness import run_driver
 
 pytestmark = pytest.mark.vllm

@@ -48,8 +48,8 @@ class Series:
 class RequestRecorder(Collector):
     """The request-side series (requests, latency, bytes), kept as plain numbers on the event loop and turned into
     Prometheus samples at scrape time. The same series as ``prometheus_client``'s Counter and Histogram give (names,
-    labels, buckets, ``_created``), for about a tenth of the CPU per request: no lock, no label lookup, no child
-    objects (one HEAD answered by the lane spent ~9 of its ~27 us in the two collectors' ``inc``/``observe``).
+    labels, buckets, ``_created``), for a fraction of the CPU per request: no lock, no label lookup, no child
+    objects, which were a large share of a HEAD the lane answers (figures: docs/benchmarks.md).
     The one place a request is recorded: the middleware's and the HEAD lane's (which answers without the
     middleware). Written from the event loop only; a scrape reads snapshots, from any thread."""
 

@@ -9,9 +9,9 @@ HEAD of a cached block, answered inside the HTTP protocol: no ASGI task, no midd
 
 ``HEAD /v1/blocks/{path}`` is the request a connector makes for every block it might load and a router for every
 prefix it scores; the answer is a few header lines from the metadata cache. Through the ASGI stack it cost ~3x
-nginx's CPU (``benchmarks.cost``), most of it the stack itself: uvicorn's task and cycle per request, the
-middlewares' send wrappers, Starlette's Request and Response (``benchmarks.http_floor``: a bare ASGI app on the
-same server already costs 1.5x nginx per HEAD). :func:`with_lanes` answers it where the request head has just
+nginx's CPU (``benchmarks.gateway.cost``), most of it the stack itself: uvicorn's task and cycle per request,
+the middlewares' send wrappers, Starlette's Request and Response (``benchmarks.primitives.http_floor``: a bare ASGI
+app on the same server already costs 1.5x nginx per HEAD). :func:`with_lanes` answers it where the request head has just
 been parsed, synchronously, when it can answer completely:
 
 - a ``HEAD`` of ``/v1/blocks/<key>``, no query, no body, no ``Expect``, no upgrade, no root path configured;
@@ -330,7 +330,7 @@ def with_lanes(
             assert head is not None and lexer is not None
             if len(data) > self.max_header_bytes or self.root_path:
                 return False  # the bounds' 431; under a root path auth reads the path without it
-            # _lane's checks that need no parser, written out again: a shared helper cost this path 0.15 us a HEAD
+            # _lane's checks that need no parser, written out again: a call to a shared helper showed on this path
             cycle = self.cycle  # the last request parsed: not complete while any waits in uvicorn's pipeline
             if (cycle is not None and not cycle.response_complete) or self.flow.write_paused:
                 return False

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m benchmarks.gc_pause [--cache-entries 65536] [--repeat 3]
 
-Runs the app's lifespan in this process (memory store, SQLite index in a temp dir; as tests/unit/inprocess.py),
+Runs the app's lifespan in this process (memory store, SQLite index in a temp dir; as tests/inprocess/harness.py),
 serves a few requests, then times ``gc.collect()`` (best of ``--repeat``): with what the lifespan froze (the
 gateway's own state since it freezes at start-up), and with it unfrozen (what a full collection walked before).
 Then the same with the metadata cache filled with ``--cache-entries`` entries, the other long-lived population
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from app.storage.base import Version
 from tests.conftest import key_for
-from tests.unit.inprocess import running, settings_for
+from tests.inprocess.harness import running, settings_for
 
 
 def full_collection_ms(repeat: int) -> float:

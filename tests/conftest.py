@@ -14,6 +14,20 @@ from tests.gateway import Gateway
 
 pytest_plugins = ["tests.services"]  # session-wide moto S3 and PostgreSQL servers, started once on first use
 
+WARNINGS_ARE_ERRORS_IN = frozenset({"unit", "inprocess"})
+"""The folders of tests/ that run clean with warnings as errors: each of their tests runs under "error", then
+pyproject.toml's named exceptions. A folder joins once it has been run whole that way (its services up)."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    strict = pytest.mark.filterwarnings("error", *config.getini("filterwarnings"))  # the exceptions still ignored
+    here = Path(__file__).parent
+    for item in items:
+        parts = item.path.relative_to(here).parts if item.path.is_relative_to(here) else ()
+        if len(parts) >= 2 and parts[0] in WARNINGS_ARE_ERRORS_IN:
+            # first among the item's marks, so a test's or a module's own filterwarnings still has the last word
+            item.add_marker(strict, append=False)
+
 
 @pytest.fixture
 def gateway(tmp_path: Path) -> Iterator[Gateway]:

@@ -24,8 +24,8 @@ import httpx
 from app.api.server.lanes import HeadLane
 from app.api.server.runner import GatewayServer
 from tests.conftest import key_for, random_bytes, sha
+from tests.inprocess.harness import served_server, settings_for
 from tests.security.conftest import TOKENS, tokens_json
-from tests.unit.inprocess import served_server, settings_for
 
 K1, K2, MISSING = key_for(1), key_for(2), key_for(3)
 BODY1, BODY2, BODY3 = random_bytes(5000, seed=1), random_bytes(70_000, seed=2), random_bytes(10, seed=3)

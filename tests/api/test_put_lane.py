@@ -30,8 +30,8 @@ from app.api.server.runner import GatewayServer
 from tests.api.test_head_lane import _exchange, _read_answers, _req, _request_samples
 from tests.api.test_head_lane import _pair as pair_of_servers
 from tests.conftest import crc_header, key_for, random_bytes, sha
+from tests.inprocess.harness import served_server, settings_for
 from tests.security.conftest import OTHER_NS, TOKENS, tokens_json
-from tests.unit.inprocess import served_server, settings_for
 
 CHUNKED = b"3\r\nabc\r\n0\r\n\r\n"
 BODY1, BODY2, BODY3 = random_bytes(5000, seed=1), random_bytes(65_536, seed=2), random_bytes(10, seed=3)

@@ -237,7 +237,7 @@ async def test_a_failed_directory_fsync_after_the_rename_keeps_the_new_version(
     """The rename happened, then the directory fsync failed: the PUT answers 503 (its durability is unknown) but
     the key is served whole, as a version it had: an earlier design put the old row back over the new file, and
     the next read removed both."""
-    from tests.unit.inprocess import running, settings_for
+    from tests.inprocess.harness import running, settings_for
 
     key, a, b = key_for(800), random_bytes(4096, 80), random_bytes(4096, 81)
     async with running(settings_for(tmp_path, backend=FsBackend(root=tmp_path / "blocks", fsync=True))) as gw:
@@ -266,7 +266,7 @@ async def test_an_acknowledged_delete_has_fsynced_its_directory(
 ) -> None:
     """Without a directory fsync the unlink can be lost in a power cut; the start-up reconcile then adopts the
     file again and undoes the DELETE."""
-    from tests.unit.inprocess import running, settings_for
+    from tests.inprocess.harness import running, settings_for
 
     key = key_for(900)
     async with running(settings_for(tmp_path, backend=FsBackend(root=tmp_path / "blocks", fsync=True))) as gw:

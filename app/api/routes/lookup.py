@@ -78,7 +78,7 @@ async def lookup(
     prefix, slots = await svc.lookup(req.keys, wait_s=wait_s, min_prefix=req.min_prefix)
     # LookupResponse's JSON written directly: a model per slot and FastAPI's re-validation of the response were
     # most of a 1,000-key lookup's time, and json.dumps half of what was left. Nothing here needs escaping: a key
-    # that parsed is [A-Za-z0-9._/-] only, a digest hex (tests/unit/test_lookup.py holds the bytes to the model's
+    # that parsed is [A-Za-z0-9._/-] only, a digest hex (tests/inprocess/test_lookup.py holds the bytes to the model's
     # own dump).
     blocks = ",".join(
         f'{{"key":"{k}","present":true,"size":{s[0]},"etag":"\\"{s[1]}\\""}}'

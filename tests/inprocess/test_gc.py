@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 from pathlib import Path
 
-from tests.unit.inprocess import running, settings_for
+from tests.inprocess.harness import running, settings_for
 
 
 async def test_start_up_objects_are_frozen_while_serving_and_released_at_shutdown(tmp_path: Path) -> None:

@@ -16,12 +16,12 @@ from app.storage.checksums import checksum_of
 from contract.keys import namespace_for, run_fields
 from contract.wire import SHA256
 from tests.conftest import TEST_NS, agnostic_fields, crc, crc_header, key_for, random_bytes, sha
-from tests.unit.inprocess import Gateway, running, settings_for
+from tests.inprocess.harness import InProcessGateway, running, settings_for
 
 OTHER_NS = "other_model_0123456789ab"
 
 
-async def test_lookup_is_the_present_prefix(gw: Gateway) -> None:
+async def test_lookup_is_the_present_prefix(gw: InProcessGateway) -> None:
     c = gw.client
     for i in (0, 1, 3):
         assert (await c.put(f"/v1/blocks/{key_for(i)}", content=random_bytes(100 + i, i))).status_code == 201
@@ -45,7 +45,7 @@ async def test_lookup_key_bound(tmp_path: Path) -> None:
         assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large", r.text
 
 
-async def test_namespace_config(gw: Gateway) -> None:
+async def test_namespace_config(gw: InProcessGateway) -> None:
     c = gw.client
     fields = run_fields(
         model_name="org/m", tokens_per_hash=16, blocks_per_file=1, tp_size=2, pp_size=1, pcp_size=1, dcp_size=1,
@@ -62,7 +62,7 @@ async def test_namespace_config(gw: Gateway) -> None:
     assert (await c.get("/v1/namespaces/org_m_000000000000/config")).status_code == 404
 
 
-async def test_purge_removes_one_namespace(fs_gw: Gateway, tmp_path: Path) -> None:
+async def test_purge_removes_one_namespace(fs_gw: InProcessGateway, tmp_path: Path) -> None:
     c = fs_gw.client
     fields = agnostic_fields("test-org/test-model")
     assert namespace_for(fields) == TEST_NS
@@ -93,7 +93,7 @@ async def test_purge_removes_one_namespace(fs_gw: Gateway, tmp_path: Path) -> No
     assert again.status_code == 404 and again.json()["error"]["code"] == "namespace_not_found"
 
 
-async def test_concurrent_writers_of_one_key_leave_one_whole_version(fs_gw: Gateway, tmp_path: Path) -> None:
+async def test_concurrent_writers_of_one_key_leave_one_whole_version(fs_gw: InProcessGateway, tmp_path: Path) -> None:
     key = key_for(7)
     versions = [random_bytes(20_000 + 1000 * n, 70 + n) for n in range(8)]
     results = await asyncio.gather(*(fs_gw.client.put(f"/v1/blocks/{key}", content=v) for v in versions))
@@ -166,7 +166,7 @@ async def test_reconcile_checks_a_row_in_its_own_algorithm(tmp_path: Path) -> No
         assert part.content == plain[10:3000] and part.headers["x-kvgate-range-checksum"] == crc_header(plain[10:3000])
 
 
-async def test_puts_that_come_together_make_one_layout_lookup(gw: Gateway) -> None:
+async def test_puts_that_come_together_make_one_layout_lookup(gw: InProcessGateway) -> None:
     """The layout check's lookup of a namespace without a config, shared by the PUTs that need it at once (each
     one's own lookup opened an overflow connection of the async engine's pool past the fifth)."""
     index = gw.core.index  # the service's own (app/core/assembly.py)

@@ -18,7 +18,7 @@ from app.core.assembly import Core
 from app.errors import BlockNotFound
 from contract.keys import parse_block_key
 from tests.conftest import key_for
-from tests.unit.inprocess import Gateway
+from tests.inprocess.harness import InProcessGateway
 
 
 async def _body(data: bytes) -> AsyncIterator[bytes]:
@@ -26,7 +26,7 @@ async def _body(data: bytes) -> AsyncIterator[bytes]:
 
 
 @pytest.fixture
-def core(gw: Gateway) -> Core:
+def core(gw: InProcessGateway) -> Core:
     return gw.core
 
 

@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.inprocess import Gateway, running, settings_for
+from tests.inprocess.harness import InProcessGateway, running, settings_for
 
 
 @pytest.fixture
-async def gw(tmp_path: Path) -> AsyncIterator[Gateway]:
+async def gw(tmp_path: Path) -> AsyncIterator[InProcessGateway]:
     async with running(settings_for(tmp_path)) as g:
         yield g
 
 
 @pytest.fixture
-async def fs_gw(tmp_path: Path) -> AsyncIterator[Gateway]:
+async def fs_gw(tmp_path: Path) -> AsyncIterator[InProcessGateway]:
     async with running(settings_for(tmp_path, fs=True)) as g:
         yield g

@@ -10,19 +10,19 @@ from typing import Any
 from app.core.coordination import open_coordinator
 from tests.capacity.helpers import block_files, index_rows
 from tests.conftest import crc, key_for, random_bytes
-from tests.unit.inprocess import Gateway, running, settings_for
+from tests.inprocess.harness import InProcessGateway, running, settings_for
 
 BLOCK = 4096
 OTHER_NS = "other_model_0123456789ab"
 
 
-async def settle(gw: Gateway) -> dict[str, Any]:
+async def settle(gw: InProcessGateway) -> dict[str, Any]:
     """Stats once the eviction round that the last PUT kicked has run (the lock orders it after the task's)."""
     await gw.capacity.enforce()
     return await gw.stats()
 
 
-async def present(gw: Gateway, ids: range) -> set[int]:
+async def present(gw: InProcessGateway, ids: range) -> set[int]:
     return {i for i in ids if (await gw.client.head(f"/v1/blocks/{key_for(i)}")).status_code == 200}
 
 
@@ -122,7 +122,7 @@ async def test_namespace_quota_evicts_only_that_namespace(tmp_path: Path) -> Non
         assert r.status_code == 507 and r.json()["error"]["code"] == "insufficient_storage"
 
 
-async def test_usage_follows_deletes_and_replacements(gw: Gateway) -> None:
+async def test_usage_follows_deletes_and_replacements(gw: InProcessGateway) -> None:
     c = gw.client
     assert (await c.put(f"/v1/blocks/{key_for(1)}", content=b"a" * 1000)).status_code == 201
     assert (await c.put(f"/v1/blocks/{key_for(2)}", content=b"b" * 500)).status_code == 201

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 
 from tests.conftest import key_for, random_bytes, sha
-from tests.unit.inprocess import served, settings_for
+from tests.inprocess.harness import served, settings_for
 
 
 def test_the_served_stack_is_the_one_serve_runs(tmp_path: Path) -> None:

@@ -34,7 +34,7 @@ from app.main import create_app, create_server
 
 
 @dataclass
-class Gateway:
+class InProcessGateway:
     """An app whose lifespan is running, and a client that speaks to it."""
 
     app: FastAPI
@@ -81,7 +81,7 @@ _template: list[Path] = []
 async def _migrated_index(dest: Path) -> None:
     """Copy an index migrated once per session to ``dest`` (the lifespan's migration then finds nothing to do)."""
     if not _template:
-        where = Path(tempfile.mkdtemp(prefix="kvgate-unit-index-"))
+        where = Path(tempfile.mkdtemp(prefix="kvgate-inprocess-index-"))
         atexit.register(shutil.rmtree, where, ignore_errors=True)
         await upgrade_head(f"sqlite+aiosqlite:///{where / 'index.db'}")
         _template.append(where / "index.db")
@@ -92,7 +92,7 @@ async def _migrated_index(dest: Path) -> None:
 
 
 @contextlib.asynccontextmanager
-async def running(settings: Settings, *, headers: dict[str, str] | None = None) -> AsyncIterator[Gateway]:
+async def running(settings: Settings, *, headers: dict[str, str] | None = None) -> AsyncIterator[InProcessGateway]:
     """Start the app's lifespan (store, index, service, capacity) and yield a client bound to it in-process."""
     index_file = settings.data_dir / "index.db"
     if settings.db_url is None and not index_file.exists():
@@ -102,7 +102,7 @@ async def running(settings: Settings, *, headers: dict[str, str] | None = None) 
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://kvgate.test", headers=headers) as client:
-            yield Gateway(app=app, client=client)
+            yield InProcessGateway(app=app, client=client)
 
 
 @contextlib.contextmanager

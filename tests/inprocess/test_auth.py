@@ -6,27 +6,45 @@ tests/security/test_auth_matrix.py so both check one table; here it runs without
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import pytest
+import pytest_asyncio
 from starlette.applications import Starlette
 from starlette.routing import Mount
 
 from tests.conftest import TEST_NS, key_for, random_bytes
+from tests.inprocess.harness import InProcessGateway, running, settings_for
 from tests.security.conftest import OTHER_NS, TOKENS, bearer, tokens_json
 from tests.security.test_auth_matrix import CALLS, DATA, FIELDS, KEY, WHO, expected
-from tests.unit.inprocess import Gateway, running, settings_for
 
 
-@pytest.fixture
-async def secure(tmp_path: Path) -> AsyncIterator[Gateway]:
-    async with running(settings_for(tmp_path, tokens=json.loads(tokens_json()))) as g:
+@contextlib.asynccontextmanager
+async def _seeded(where: Path) -> AsyncIterator[InProcessGateway]:
+    """A gateway with the matrix's tokens, holding the matrix's block and namespace config."""
+    async with running(settings_for(where, tokens=json.loads(tokens_json()))) as g:
         admin = bearer("admin")
         assert (await g.client.put(f"/v1/blocks/{KEY}", content=DATA, headers=admin)).status_code == 201
         assert (await g.client.put(f"/v1/namespaces/{TEST_NS}/config", json=FIELDS, headers=admin)).status_code == 201
+        yield g
+
+
+@pytest.fixture
+async def secure(tmp_path: Path) -> AsyncIterator[InProcessGateway]:
+    async with _seeded(tmp_path) as g:
+        yield g
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def matrix_gw(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[InProcessGateway]:
+    """One seeded gateway for every run of the matrix: each call the matrix allows leaves the state as it found it
+    (the same block and config PUT again, a DELETE of an absent block, of an empty namespace), and each run checks
+    the seeded block afterwards, so the runs share it."""
+    async with _seeded(tmp_path_factory.mktemp("auth-matrix")) as g:
         yield g
 
 
@@ -52,19 +70,21 @@ async def _matrix(client: httpx.AsyncClient, who: str) -> list[tuple[str, str, s
     return wrong
 
 
+@pytest.mark.asyncio(loop_scope="module")
 @pytest.mark.parametrize("who", list(WHO))
-async def test_matrix(secure: Gateway, who: str) -> None:
-    assert await _matrix(secure.client, who) == []
+async def test_matrix(matrix_gw: InProcessGateway, who: str) -> None:
+    assert await _matrix(matrix_gw.client, who) == []
     # what was refused changed nothing: the seeded block is still there, with its bytes
-    got = await secure.client.get(f"/v1/blocks/{KEY}", headers=bearer("admin"))
+    got = await matrix_gw.client.get(f"/v1/blocks/{KEY}", headers=bearer("admin"))
     assert got.status_code == 200 and got.content == DATA
 
 
+@pytest.mark.asyncio(loop_scope="module")
 @pytest.mark.parametrize("who", list(WHO))
-async def test_matrix_mounted_under_a_path(secure: Gateway, who: str) -> None:
+async def test_matrix_mounted_under_a_path(matrix_gw: InProcessGateway, who: str) -> None:
     """The gateway mounted in another ASGI app at /kv (the mount puts /kv into root_path and path): auth finds the
     same route the router does, and answers as at the root."""
-    parent = Starlette(routes=[Mount("/kv", app=secure.app)])
+    parent = Starlette(routes=[Mount("/kv", app=matrix_gw.app)])
     transport = httpx.ASGITransport(app=parent)
     async with httpx.AsyncClient(transport=transport, base_url="http://kvgate.test/kv") as client:
         assert await _matrix(client, who) == []
@@ -72,7 +92,7 @@ async def test_matrix_mounted_under_a_path(secure: Gateway, who: str) -> None:
         assert got.status_code == 200 and got.content == DATA
 
 
-async def test_refused_put_stores_nothing(secure: Gateway) -> None:
+async def test_refused_put_stores_nothing(secure: InProcessGateway) -> None:
     key, body = key_for(50), random_bytes(1000, 50)
     for who in ("none", "bad", "read"):
         token = WHO[who][0]
@@ -83,7 +103,7 @@ async def test_refused_put_stores_nothing(secure: Gateway) -> None:
     assert stats["blocks"] == 1 and stats["usage_bytes"] == len(DATA)
 
 
-async def test_scoped_tokens_stay_in_their_namespace(secure: Gateway) -> None:
+async def test_scoped_tokens_stay_in_their_namespace(secure: InProcessGateway) -> None:
     c = secure.client
     other_key = key_for(7, namespace=OTHER_NS)
     body = random_bytes(1000, 7)
@@ -103,7 +123,7 @@ async def test_scoped_tokens_stay_in_their_namespace(secure: Gateway) -> None:
     assert (await c.get(f"/v1/blocks/{other_key}", headers=bearer("admin"))).content == body
 
 
-async def test_wrong_scheme_and_empty_token_are_401(secure: Gateway) -> None:
+async def test_wrong_scheme_and_empty_token_are_401(secure: InProcessGateway) -> None:
     for value in (f"Basic {TOKENS['admin']}", "Bearer", TOKENS["admin"], f"Bearer {TOKENS['admin']}x", "Bearer  "):
         r = await secure.client.get("/v1/stats", headers={"Authorization": value})
         assert r.status_code == 401, value
@@ -119,7 +139,7 @@ async def test_metrics_public(tmp_path: Path) -> None:
         assert (await g.client.get("/v1/stats")).status_code == 401
 
 
-async def test_auth_off_without_tokens(gw: Gateway) -> None:
+async def test_auth_off_without_tokens(gw: InProcessGateway) -> None:
     assert (await gw.client.get("/v1/stats")).status_code == 200
     assert (await gw.client.put(f"/v1/blocks/{key_for(1)}", content=b"x")).status_code == 201
     assert (await gw.client.delete(f"/v1/blocks/{key_for(1)}")).status_code == 204

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from app.api.routes.lookup import LookupResponse, LookupSlot
 from tests.conftest import crc, key_for, random_bytes
-from tests.unit.inprocess import Gateway
+from tests.inprocess.harness import InProcessGateway
 
 
-async def test_answer_is_the_models_json(gw: Gateway) -> None:
+async def test_answer_is_the_models_json(gw: InProcessGateway) -> None:
     c = gw.client
     bodies = {i: random_bytes(1000 + i, i) for i in (0, 1, 2, 4)}
     for i, data in bodies.items():
@@ -26,7 +26,7 @@ async def test_answer_is_the_models_json(gw: Gateway) -> None:
     assert empty.status_code == 200 and empty.json() == {"prefix": 0, "blocks": []}
 
 
-async def test_bad_key_is_400_and_too_many_keys_413(gw: Gateway) -> None:
+async def test_bad_key_is_400_and_too_many_keys_413(gw: InProcessGateway) -> None:
     c = gw.client
     bad = await c.post("/v1/lookup", json={"keys": [key_for(0), "ns_0123456789ab_r0/abc/de_g0/ABCDEF0123456789.bin"]})
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_request"

@@ -11,7 +11,7 @@ import pytest
 from app.core.parts import PARTS_PREFIX
 from contract.wire import PART_DIGEST_HEADER
 from tests.conftest import key_for, random_bytes, sha
-from tests.unit.inprocess import Gateway, running, settings_for
+from tests.inprocess.harness import InProcessGateway, running, settings_for
 
 
 def part_headers(start: int, end: int, total: int, data: bytes) -> dict[str, str]:
@@ -28,7 +28,7 @@ def part_files(root: Path) -> list[Path]:
     return [p for p in parts.rglob("*") if p.is_file()] if parts.exists() else []
 
 
-async def test_object_visible_only_when_parts_cover_it(gw: Gateway) -> None:
+async def test_object_visible_only_when_parts_cover_it(gw: InProcessGateway) -> None:
     c = gw.client
     key, blob = key_for(1), random_bytes(4000, seed=1)
     bounds = [(0, 1000), (1000, 2000), (2000, 3000), (3000, 4000)]
@@ -67,7 +67,7 @@ async def test_object_visible_only_when_parts_cover_it(gw: Gateway) -> None:
     assert (await c.get(f"/v1/blocks/{key}")).content == blob
 
 
-async def test_parts_are_dropped_after_assembly(fs_gw: Gateway, tmp_path: Path) -> None:
+async def test_parts_are_dropped_after_assembly(fs_gw: InProcessGateway, tmp_path: Path) -> None:
     key, blob = key_for(2), random_bytes(3000, seed=2)
     assert (await put_part(fs_gw.client, key, blob, 0, 1500)).status_code == 202
     assert len(part_files(tmp_path)) == 1
@@ -76,7 +76,7 @@ async def test_parts_are_dropped_after_assembly(fs_gw: Gateway, tmp_path: Path) 
     assert (tmp_path / "blocks" / key).read_bytes() == blob
 
 
-async def test_concurrent_final_parts_assemble_once(gw: Gateway) -> None:
+async def test_concurrent_final_parts_assemble_once(gw: InProcessGateway) -> None:
     blobs = {key_for(100 + i): random_bytes(8 * 512, seed=100 + i) for i in range(4)}
     jobs = [put_part(gw.client, k, b, s, s + 512) for k, b in blobs.items() for s in range(0, 8 * 512, 512)]
     results = await asyncio.gather(*jobs)
@@ -88,7 +88,7 @@ async def test_concurrent_final_parts_assemble_once(gw: Gateway) -> None:
     assert stats["blocks"] == 4 and stats["usage_bytes"] == 4 * 8 * 512
 
 
-async def test_same_part_twice_is_idempotent(gw: Gateway) -> None:
+async def test_same_part_twice_is_idempotent(gw: InProcessGateway) -> None:
     key, blob = key_for(3), random_bytes(2000, seed=3)
     assert (await put_part(gw.client, key, blob, 0, 1000)).status_code == 202
     r = await put_part(gw.client, key, blob, 0, 1000)
@@ -108,7 +108,7 @@ async def test_same_part_twice_is_idempotent(gw: Gateway) -> None:
     ids=["overlap", "other-total", "other-bytes"],
 )
 async def test_inconsistent_parts_conflict(
-    gw: Gateway, first: tuple[int, int, int], second: tuple[int, int, int]
+    gw: InProcessGateway, first: tuple[int, int, int], second: tuple[int, int, int]
 ) -> None:
     c, key = gw.client, key_for(4)
     a = random_bytes(first[1] - first[0], seed=4)
@@ -121,7 +121,7 @@ async def test_inconsistent_parts_conflict(
     assert (await gw.stats())["usage_bytes"] == first[1] - first[0]  # the refused part holds nothing
 
 
-async def test_bad_ranges_and_digests(gw: Gateway) -> None:
+async def test_bad_ranges_and_digests(gw: InProcessGateway) -> None:
     c, key, data = gw.client, key_for(5), b"x" * 100
     url = f"/v1/blocks/{key}"
     r = await c.put(url, content=data, headers={"Content-Range": "bytes 0-99/50"})
@@ -139,7 +139,7 @@ async def test_bad_ranges_and_digests(gw: Gateway) -> None:
     assert (await gw.stats())["usage_bytes"] == 0
 
 
-async def test_part_of_complete_object_with_other_total_conflicts(gw: Gateway) -> None:
+async def test_part_of_complete_object_with_other_total_conflicts(gw: InProcessGateway) -> None:
     key, blob = key_for(6), random_bytes(1000, seed=6)
     assert (await gw.client.put(f"/v1/blocks/{key}", content=blob)).status_code == 201
     r = await gw.client.put(f"/v1/blocks/{key}", content=blob[:500], headers=part_headers(0, 500, 2000, blob[:500]))
@@ -154,7 +154,7 @@ async def test_part_of_complete_object_with_other_total_conflicts(gw: Gateway) -
     assert wrong.status_code == 400 and wrong.json()["error"]["code"] == "digest_mismatch"
 
 
-async def test_create_only_parts(gw: Gateway) -> None:
+async def test_create_only_parts(gw: InProcessGateway) -> None:
     key, blob = key_for(7), random_bytes(2000, seed=7)
     headers = {**part_headers(0, 1000, 2000, blob[:1000]), "If-None-Match": "*"}
     assert (await gw.client.put(f"/v1/blocks/{key}", content=blob[:1000], headers=headers)).status_code == 202
@@ -164,7 +164,7 @@ async def test_create_only_parts(gw: Gateway) -> None:
     assert r.status_code == 412 and r.json()["error"]["code"] == "precondition_failed"
 
 
-async def test_corrupt_stored_part_is_dropped_with_409(fs_gw: Gateway, tmp_path: Path) -> None:
+async def test_corrupt_stored_part_is_dropped_with_409(fs_gw: InProcessGateway, tmp_path: Path) -> None:
     key, blob = key_for(8), random_bytes(2000, seed=8)
     assert (await put_part(fs_gw.client, key, blob, 0, 1000)).status_code == 202
     (stored,) = part_files(tmp_path)
@@ -187,7 +187,7 @@ async def test_part_total_over_the_block_limit(tmp_path: Path) -> None:
         assert (await g.stats())["usage_bytes"] == 0
 
 
-async def test_purge_drops_incomplete_uploads(fs_gw: Gateway, tmp_path: Path) -> None:
+async def test_purge_drops_incomplete_uploads(fs_gw: InProcessGateway, tmp_path: Path) -> None:
     for i in (40, 41):
         assert (await put_part(fs_gw.client, key_for(i), random_bytes(2000, seed=i), 0, 1000)).status_code == 202
     assert len(part_files(tmp_path)) == 2 and (await fs_gw.stats())["usage_bytes"] == 2000
@@ -197,7 +197,7 @@ async def test_purge_drops_incomplete_uploads(fs_gw: Gateway, tmp_path: Path) ->
     assert (await fs_gw.stats())["usage_bytes"] == 0
 
 
-async def test_in_place_parts_become_the_object_without_a_copy(fs_gw: Gateway, tmp_path: Path) -> None:
+async def test_in_place_parts_become_the_object_without_a_copy(fs_gw: InProcessGateway, tmp_path: Path) -> None:
     """On the filesystem the parts are written into the object's own file: the block published is that file."""
     key, blob = key_for(50), random_bytes(4 * 4096, seed=50)
     for start in (8192, 0, 12288):
@@ -219,7 +219,9 @@ async def test_in_place_parts_become_the_object_without_a_copy(fs_gw: Gateway, t
 
 
 @pytest.mark.parametrize("first_in_place", [False, True], ids=["object-per-part-first", "upload-first"])
-async def test_parts_kept_either_way_assemble_together(fs_gw: Gateway, tmp_path: Path, first_in_place: bool) -> None:
+async def test_parts_kept_either_way_assemble_together(
+    fs_gw: InProcessGateway, tmp_path: Path, first_in_place: bool
+) -> None:
     """An upload begun by a gateway that kept one object per part (or finished by one) still assembles right."""
     key, blob = key_for(51), random_bytes(3 * 1000, seed=51)
     store = fs_gw.core.store
@@ -235,7 +237,7 @@ async def test_parts_kept_either_way_assemble_together(fs_gw: Gateway, tmp_path:
 
 
 async def test_in_place_parts_on_a_filesystem_without_hard_links(
-    fs_gw: Gateway, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    fs_gw: InProcessGateway, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where the data root takes no hard links the upload is copied into place: same answers, nothing left over."""
     import errno

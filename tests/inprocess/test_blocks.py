@@ -9,18 +9,18 @@ import pytest
 
 from contract.wire import CHECKSUM_HEADER, DIGEST_HEADER, RANGE_CHECKSUM_HEADER, RANGE_DIGEST_HEADER
 from tests.conftest import crc, crc_header, key_for, random_bytes, sha
-from tests.unit.inprocess import Gateway, running, settings_for
+from tests.inprocess.harness import InProcessGateway, running, settings_for
 
 KiB = 1024
 
 
 @pytest.fixture(params=["memory", "fs"])
-async def any_gw(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Gateway]:
+async def any_gw(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[InProcessGateway]:
     async with running(settings_for(tmp_path, fs=request.param == "fs", io_chunk_bytes=16 * KiB)) as g:
         yield g
 
 
-async def test_put_get_head_delete(any_gw: Gateway) -> None:
+async def test_put_get_head_delete(any_gw: InProcessGateway) -> None:
     c = any_gw.client
     blocks = {key_for(i): random_bytes(100 * KiB + i, i) for i in range(3)}
     for key, data in blocks.items():
@@ -56,7 +56,7 @@ async def test_put_get_head_delete(any_gw: Gateway) -> None:
     assert stats["blocks"] == 2 and stats["usage_bytes"] == len(blocks[key_for(1)]) + len(blocks[key_for(2)])
 
 
-async def test_create_only_and_overwrite(any_gw: Gateway) -> None:
+async def test_create_only_and_overwrite(any_gw: InProcessGateway) -> None:
     c = any_gw.client
     key, data = key_for(100), random_bytes(30 * KiB, 100)
     assert (await c.put(f"/v1/blocks/{key}", content=data, headers={"If-None-Match": "*"})).status_code == 201
@@ -79,7 +79,7 @@ async def test_create_only_and_overwrite(any_gw: Gateway) -> None:
     assert stats["blocks"] == 1 and stats["usage_bytes"] == len(other)
 
 
-async def test_digest_checks_publish_nothing(any_gw: Gateway) -> None:
+async def test_digest_checks_publish_nothing(any_gw: InProcessGateway) -> None:
     c = any_gw.client
     key, data = key_for(200), random_bytes(20 * KiB, 200)
     assert (await c.put(f"/v1/blocks/{key}", content=data)).status_code == 201
@@ -98,7 +98,7 @@ async def test_digest_checks_publish_nothing(any_gw: Gateway) -> None:
     assert stats["blocks"] == 2 and stats["usage_bytes"] == len(data) + len(other)
 
 
-async def test_empty_block_and_bad_keys(any_gw: Gateway) -> None:
+async def test_empty_block_and_bad_keys(any_gw: InProcessGateway) -> None:
     c = any_gw.client
     empty = key_for(300)
     assert (await c.put(f"/v1/blocks/{empty}", content=b"")).status_code == 201
@@ -110,7 +110,7 @@ async def test_empty_block_and_bad_keys(any_gw: Gateway) -> None:
         assert r.json()["error"]["code"] == "invalid_request", (bad, r.text)
 
 
-async def test_ranges(any_gw: Gateway) -> None:
+async def test_ranges(any_gw: InProcessGateway) -> None:
     c = any_gw.client
     key, data = key_for(400), random_bytes(64 * KiB, 400)
     assert (await c.put(f"/v1/blocks/{key}", content=data)).status_code == 201
@@ -186,7 +186,7 @@ async def test_size_limit_and_length_required(tmp_path: Path) -> None:
         assert (await c.head(f"/v1/blocks/{key_for(2)}")).status_code == 404
 
 
-async def test_fs_store_leaves_no_temp_files(fs_gw: Gateway, tmp_path: Path) -> None:
+async def test_fs_store_leaves_no_temp_files(fs_gw: InProcessGateway, tmp_path: Path) -> None:
     c = fs_gw.client
     key, data = key_for(600), random_bytes(40 * KiB, 600)
     assert (await c.put(f"/v1/blocks/{key}", content=data)).status_code == 201

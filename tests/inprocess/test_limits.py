@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import crc, key_for, random_bytes
-from tests.unit.inprocess import Gateway, running, settings_for
+from tests.inprocess.harness import InProcessGateway, running, settings_for
 
 
 class HeldBody:
@@ -134,7 +134,7 @@ async def test_locked_index_is_503_then_recovers(tmp_path: Path) -> None:
         assert (await c.get("/readyz")).status_code == 200
 
 
-async def test_metrics_count_requests(gw: Gateway) -> None:
+async def test_metrics_count_requests(gw: InProcessGateway) -> None:
     assert (await gw.client.put(f"/v1/blocks/{key_for(1)}", content=b"m" * 100)).status_code == 201
     assert (await gw.client.get(f"/v1/blocks/{key_for(1)}")).status_code == 200
     assert (await gw.client.get(f"/v1/blocks/{key_for(2)}")).status_code == 404

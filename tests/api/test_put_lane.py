@@ -22,15 +22,29 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
+from starlette.datastructures import Headers
+from starlette.requests import Request
 
-from app.api.server import lanes
+from app.api.routes import blocks
+from app.api.routes.put_answer import PUT_HEADERS_READ
+from app.api.routes.thin import _header_name
+from app.api.server import lanes, put_lane
 from app.api.server.lanes import BODY_WAIT_S
 from app.api.server.put_lane import MAX_BODY_BYTES, PutLane
 from app.api.server.runner import GatewayServer
+from app.errors import KVGateError
+from contract.wire import (
+    BLOCK_META_HEADER,
+    CHECKSUM_HEADER,
+    DIGEST_HEADER,
+    PART_CHECKSUM_HEADER,
+    PART_DIGEST_HEADER,
+    WireError,
+)
 from tests.api.test_head_lane import _exchange, _read_answers, _req, _request_samples
 from tests.api.test_head_lane import _pair as pair_of_servers
 from tests.conftest import crc_header, key_for, random_bytes, sha
-from tests.inprocess.harness import served_server, settings_for
+from tests.inprocess.harness import running, served_server, settings_for
 from tests.security.conftest import OTHER_NS, TOKENS, tokens_json
 
 CHUNKED = b"3\r\nabc\r\n0\r\n\r\n"
@@ -265,3 +279,98 @@ def test_an_oversized_head_is_answered_431_not_by_a_lane(tmp_path: Path) -> None
             assert answers[0].startswith(b"HTTP/1.1 431 "), answers
         with httpx.Client(base_url=url) as c:
             assert c.head(f"/v1/blocks/{key_for(2)}").status_code == 404
+
+
+class _ReadHeaders(Headers):
+    """A request's headers that note each name looked up; ``*`` for a scan of them all."""
+
+    def __init__(self, scope: dict[str, Any], read: set[str]) -> None:
+        super().__init__(scope=scope)
+        self.read = read
+
+    def __getitem__(self, key: str) -> str:
+        self.read.add(key.lower())
+        return super().__getitem__(key)
+
+    def __contains__(self, key: Any) -> bool:
+        self.read.add(str(key).lower())
+        return super().__contains__(key)
+
+    def getlist(self, key: str) -> list[str]:
+        self.read.add(key.lower())
+        return super().getlist(key)
+
+    def raw_scan(self) -> None:
+        self.read.add("*")
+
+    def keys(self) -> list[str]:  # type: ignore[override]
+        self.raw_scan()
+        return super().keys()
+
+    def values(self) -> list[str]:  # type: ignore[override]
+        self.raw_scan()
+        return super().values()
+
+    def items(self) -> list[tuple[str, str]]:  # type: ignore[override]
+        self.raw_scan()
+        return super().items()
+
+    def __iter__(self) -> Iterator[str]:
+        self.raw_scan()
+        return super().__iter__()
+
+
+async def test_the_lane_knows_every_header_the_put_route_reads(tmp_path: Path) -> None:
+    """Every request header the PUT route reads is one the lane reads or sends to the stack: a header the route
+    starts reading cannot be dropped on the lane's path. The route reads its declared ``Header()`` parameters (what
+    its binding, ThinRoute's or FastAPI's, looks up) and whatever it looks up in ``request.headers``: its handler is
+    called in process, for each kind of PUT (whole, create-only, with each checksum and the block meta, parts, bad
+    headers), with headers that note each name it looks up."""
+    route = next(r for r in blocks.router.routes if "PUT" in (getattr(r, "methods", None) or ()))
+    bound = {_header_name(field) for field in route.dependant.header_params}
+    handler = route.get_route_handler()
+    body = BODY3
+    meta = "parent=00112233445566778899aabbccddeeff; tokens=1,2,3"
+    whole = [{}, {"If-None-Match": "*"}, {CHECKSUM_HEADER: crc_header(body)}, {DIGEST_HEADER: sha(body)}]
+    whole += [{BLOCK_META_HEADER: meta}, {CHECKSUM_HEADER: "crc64nvme=!!"}, {"If-None-Match": '"x"'}]
+    parts = [
+        {"Content-Range": "bytes 0-9/20", PART_CHECKSUM_HEADER: crc_header(body)},
+        {"Content-Range": "bytes 10-19/20", PART_DIGEST_HEADER: sha(body)},
+        {"Content-Range": "bytes 0-9/5"},
+    ]
+    read: set[str] = set()
+    statuses: list[int | str] = []
+    async with running(settings_for(tmp_path)) as gw:
+        for i, extra in enumerate(whole + parts):
+            key = key_for(750 if "Content-Range" in extra else 700 + i)
+            headers = {"Content-Length": str(len(body)), **extra}
+            scope: dict[str, Any] = {
+                "type": "http",
+                "http_version": "1.1",
+                "method": "PUT",
+                "scheme": "http",
+                "path": f"/v1/blocks/{key}",
+                "raw_path": f"/v1/blocks/{key}".encode(),
+                "query_string": b"",
+                "root_path": "",
+                "headers": [(name.lower().encode(), value.encode()) for name, value in headers.items()],
+                "app": gw.app,
+                "path_params": {"path": key},
+            }
+            sent = [{"type": "http.request", "body": body, "more_body": False}]
+
+            async def receive(sent: list[dict[str, Any]] = sent) -> dict[str, Any]:
+                return sent.pop(0) if sent else {"type": "http.disconnect"}
+
+            request = Request(scope, receive)
+            request._headers = _ReadHeaders(scope, read)
+            try:
+                statuses.append((await handler(request)).status_code)
+            except (KVGateError, WireError) as exc:
+                statuses.append(type(exc).__name__)
+    assert statuses == [201, 201, 201, 201, 201, "MalformedHeader", "InvalidRequest", 202, 201, "RangeNotSatisfiable"]
+    lane_knows = {name.decode() for name in (*put_lane._READ, *put_lane._STACK_ONLY)}
+    assert bound | read <= lane_knows, (
+        f"the route reads headers the PUT lane does not know: {(bound | read) - lane_knows}"
+    )
+    assert bound | read == PUT_HEADERS_READ

@@ -12,14 +12,14 @@ from starlette.types import Receive, Scope, Send
 
 from app.api.errors import documented
 from app.api.routes.deps import service, settings
+from app.api.routes.put_answer import PutAnswer, PutRequest, put_answer, read_put
 from app.api.routes.thin import ThinRoute
 from app.config import Settings
 from app.core.reads import OpenBlock, vouch_range
 from app.core.service import BlockService
 from app.core.values import Version
-from app.errors import InvalidRequest, LengthRequired, PayloadTooLarge
 from contract import wire
-from contract.keys import BlockKey, parse_block_key
+from contract.keys import parse_block_key
 from contract.wire import (
     BLOCK_META_HEADER,
     CHECKSUM_HEADER,
@@ -51,14 +51,6 @@ class PartResponse(BaseModel):
     part_digest: str = Field(description="the part's checksum token")
     complete: bool = Field(description="the parts now cover the object: it is visible")
     digest: str | None = Field(default=None, description="the whole object's checksum token once complete")
-
-
-def _token(checksum: wire.Checksum | None) -> str | None:
-    return None if checksum is None else checksum.token
-
-
-def etag(meta: Version) -> str:
-    return wire.quote_etag(meta.digest)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -106,27 +98,25 @@ class BlockResponse(Response):
             await self._block.reader.aclose()
 
 
-async def _put_part(
-    key: BlockKey,
-    request: Request,
-    svc: BlockService,
-    *,
-    span: wire.ByteSpan,
-    content_length: int,
-    part_digest: str | None,
-    create_only: bool,
-    meta: wire.BlockMetaValue | None,
-) -> Response:
+class EncodedResponse(Response):
+    """A response whose status, header lines and body are already made (:func:`put_answer`'s)."""
+
+    def __init__(self, answer: PutAnswer) -> None:
+        self.status_code = answer.status
+        self.raw_headers = answer.headers
+        self.body = answer.body
+        self.background = None
+
+
+async def _put_part(request: Request, svc: BlockService, put: PutRequest, span: wire.ByteSpan) -> Response:
     """One rank's byte range of a multi-part object: 202 stored, 201 it completed the object, 200 nothing new."""
-    if span.size != content_length:
-        raise InvalidRequest(f"Content-Range covers {span.size} bytes, Content-Length says {content_length}")
     out = await svc.put_part(
-        key,
+        put.key,
         request.stream(),
         span=span,
-        part_digest=part_digest,
-        create_only=create_only,
-        meta=meta,
+        part_digest=put.digest,
+        create_only=put.create_only,
+        meta=put.meta,
     )
     body = PartResponse(
         key=out.key,
@@ -190,50 +180,24 @@ async def put_block(
         str | None, Header(alias=BLOCK_META_HEADER, description="`parent=<hex>; tokens=1,2,3`: for the KV events")
     ] = None,
 ) -> Response:
-    key = parse_block_key(path)
-    meta = wire.parse_block_meta(x_kvgate_block_meta) if x_kvgate_block_meta is not None else None
-    if content_length is None:
-        raise LengthRequired("Content-Length is required")
-    if content_length > cfg.max_block_bytes:
-        raise PayloadTooLarge(f"body of {content_length} bytes is over the {cfg.max_block_bytes}-byte limit")
-    if if_none_match is not None and if_none_match.strip() != "*":
-        raise InvalidRequest("only 'If-None-Match: *' is supported")
-    if content_range is not None:
-        span = wire.parse_content_range(content_range)  # parsed once; MalformedHeader, RangeNotSatisfiable: the table
-        if span.total > cfg.max_block_bytes:
-            raise PayloadTooLarge(f"object is over the {cfg.max_block_bytes}-byte limit")
-        return await _put_part(
-            key,
-            request,
-            svc,
-            span=span,
-            content_length=content_length,
-            part_digest=_token(
-                wire.parse_request_checksum(
-                    x_kvgate_part_checksum,
-                    x_kvgate_part_sha256,
-                    header=PART_CHECKSUM_HEADER,
-                    legacy_header=PART_DIGEST_HEADER,
-                )
-            ),
-            create_only=if_none_match is not None,
-            meta=meta,
-        )
+    put = read_put(
+        path,
+        max_block_bytes=cfg.max_block_bytes,
+        content_length=content_length,
+        if_none_match=if_none_match,
+        checksum=x_kvgate_checksum,
+        sha256=x_kvgate_sha256,
+        block_meta=x_kvgate_block_meta,
+        content_range=content_range,
+        part_checksum=x_kvgate_part_checksum,
+        part_sha256=x_kvgate_part_sha256,
+    )
+    if put.span is not None:
+        return await _put_part(request, svc, put, put.span)
     result = await svc.put(
-        key,
-        request.stream(),
-        size=content_length,
-        digest=_token(wire.parse_request_checksum(x_kvgate_checksum, x_kvgate_sha256)),
-        create_only=if_none_match is not None,
-        meta=meta,
+        put.key, request.stream(), size=put.size, digest=put.digest, create_only=put.create_only, meta=put.meta
     )
-    body = PutResponse(key=result.meta.key, size=result.meta.size, digest=result.meta.digest, created=result.created)
-    return Response(
-        body.model_dump_json(),
-        status_code=201 if result.created else 200,
-        media_type="application/json",
-        headers={"ETag": etag(result.meta), "Location": f"/v1/blocks/{result.meta.key}"},
-    )
+    return EncodedResponse(put_answer(result))
 
 
 @router.get(

@@ -7,9 +7,10 @@ auth and limits middlewares' wrappers, the route's binding, a pydantic model for
 
 - it is ``PUT /v1/blocks/<key>`` of a key that parses, with no query, no ``Expect``, no upgrade, no root path, no
   earlier request of the connection still being answered, under uvicorn's concurrency limit;
-- it declares one ``Content-Length`` within ``max_block_bytes`` and :data:`MAX_BODY_BYTES`, no
-  ``Transfer-Encoding``, no ``Content-Range`` (a part goes to the stack), ``If-None-Match`` absent or ``*``, and its
-  checksum and block-meta headers parse;
+- it declares one ``Content-Length`` within :data:`MAX_BODY_BYTES`, no ``Transfer-Encoding``, none of a part's
+  headers (a part goes to the stack), and its headers pass the route's own checks
+  (:func:`app.api.routes.put_answer.read_put`, on the headers the route reads, ``PUT_HEADERS``, each at most
+  once);
 - the caller may write the key's namespace (:func:`app.api.middleware.auth.may_write`, the auth middleware's rule for
   this route), an upload slot is free (:class:`app.api.middleware.limits.UploadSlots`, shared with the stack) and
   the bodies the lane holds stay within :data:`HELD_BYTES` with this one;
@@ -17,15 +18,14 @@ auth and limits middlewares' wrappers, the route's binding, a pydantic model for
 and its whole body arrives within :data:`app.api.server.lanes.BODY_WAIT_S` of the read that ended its head (a
 quarter of a second: the body rate and pause guards have nothing to judge in that time). Anything else, including
 a body still coming at that deadline, goes down the usual stack exactly as uvicorn would have sent it, with the
-bytes so far. The lane calls the route's own service call (``BlockService.put``) with the
-body's chunks as they came, answers the route's bytes (uvicorn's default headers, ETag, Location, the JSON body),
-errors through the app's own exception handlers, and counts the request in the same metrics. tests/api/
-test_put_lane.py compares it with the stack on real servers. ``KVGATE_PUT_LANE=false`` turns it off.
+bytes so far. The lane calls the route's own service call (``BlockService.put``) with the body's chunks as they
+came, answers the route's bytes (uvicorn's default headers, then :func:`app.api.routes.put_answer.put_answer`'s:
+ETag, Location, the JSON body), errors through the app's own exception handlers, and counts the request in the same
+metrics. tests/api/test_put_lane.py compares it with the stack on real servers. ``KVGATE_PUT_LANE=false`` turns it off.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -37,21 +37,20 @@ from app.api.middleware.auth import may_write
 from app.api.middleware.limits import UploadSlots
 from app.api.middleware.metrics import RequestRecorder, route_template
 from app.api.middleware.principals import Principals
+from app.api.routes.put_answer import PART_HEADERS, PUT_HEADERS, PutRequest, put_answer, read_put
 from app.api.routes.thin import find_exception_handler
 from app.core.values import BodyPieces
+from app.errors import KVGateError
 from contract import wire
-from contract.keys import BlockKey, InvalidKey, parse_block_key
-from contract.wire import BLOCK_META_HEADER, CHECKSUM_HEADER, DIGEST_HEADER, BlockMetaValue
+from contract.keys import InvalidKey
 
 log = logging.getLogger("uvicorn.error")  # where uvicorn logs an ASGI app's unhandled exception
 
-_CHECKSUM = CHECKSUM_HEADER.lower().encode()
-_DIGEST = DIGEST_HEADER.lower().encode()
-_META = BLOCK_META_HEADER.lower().encode()
-_READ = frozenset({b"content-length", b"if-none-match", _CHECKSUM, _DIGEST, _META})
-_STACK_ONLY = frozenset({b"transfer-encoding", b"content-range", b"x-kvgate-part-checksum", b"x-kvgate-part-sha256"})
+_READ = {name.encode(): param for name, param in PUT_HEADERS.items() if name not in PART_HEADERS}
+"""The headers of a whole block's PUT the lane reads (the route's: :data:`app.api.routes.put_answer.PUT_HEADERS`),
+and the parameter of ``read_put`` each is."""
+_STACK_ONLY = frozenset({b"transfer-encoding", *(name.encode() for name in PART_HEADERS)})
 """Headers that send a PUT to the stack: chunked bodies and parts."""
-_JSON = b"content-type: application/json\r\n"
 MAX_BODY_BYTES = 4 * 1024 * 1024
 """The largest body the lane collects: a Llama-8B-sized block of 16 tokens at TP=1 is 2 MiB, a rank's share at TP
 2-8 256 KiB-1 MiB. Larger ones stream through the stack, whose reads the store's writes pace (flow control). At
@@ -67,14 +66,15 @@ the stack, which reads as the store writes. Without it the bound would be ``max_
 class LanePut:
     """A PUT the lane took, as its head was parsed."""
 
-    key: BlockKey
-    size: int
-    digest: str | None
-    create_only: bool
-    meta: BlockMetaValue | None
+    request: PutRequest
+    """What its headers say (``read_put``'s, as the route reads them)."""
     scope: Any
     """The request's ASGI scope (for an exception handler's Request)."""
     began: float
+
+    @property
+    def size(self) -> int:
+        return self.request.size
 
 
 @dataclass(slots=True)
@@ -96,6 +96,7 @@ class PutLane:
         self._app = app
         self.prefix = prefix
         self._principals = principals
+        self._max_block_bytes = max_bytes
         self._max_bytes = min(max_bytes, MAX_BODY_BYTES)
         puts = [r for r in routes if "PUT" in (getattr(r, "methods", None) or ()) and r.path.startswith(prefix)]
         self.template = route_template(puts[0]) if puts else None
@@ -114,42 +115,31 @@ class PutLane:
         slots: UploadSlots = self._state.upload_slots
         if slots.taken >= slots.max or not path.startswith(self.prefix):
             return None
-        seen: dict[bytes, str] = {}
+        seen: dict[str, Any] = {}
         for name, value in headers:
-            if name in _READ:
-                if name in seen:
+            param = _READ.get(name)
+            if param is not None:
+                if param in seen:
                     return None  # repeated: the stack's binding decides
-                seen[name] = value.decode("latin-1")
+                seen[param] = value.decode("latin-1")
             elif name in _STACK_ONLY:
                 return None
-        length = seen.get(b"content-length")
+        length = seen.get("content_length")
         if length is None or not length.isdigit() or not length.isascii():
             return None
-        size = int(length)
-        match = seen.get(b"if-none-match")
-        if size > self._max_bytes or self.held + size > self.max_held or (match is not None and match.strip() != "*"):
+        size = seen["content_length"] = int(length)
+        if size > self._max_bytes or self.held + size > self.max_held:
             return None
         try:
-            key = parse_block_key(path[len(self.prefix) :])
-            checksum = wire.parse_request_checksum(seen.get(_CHECKSUM), seen.get(_DIGEST))
-            meta_value = seen.get(_META)
-            meta = wire.parse_block_meta(meta_value) if meta_value is not None else None
-        except (InvalidKey, wire.WireError):
+            taken = read_put(path[len(self.prefix) :], max_block_bytes=self._max_block_bytes, **seen)
+        except (InvalidKey, wire.WireError, KVGateError):
             return None  # the stack answers the error
-        if not may_write(self._principals, scope, key.namespace):
+        if not may_write(self._principals, scope, taken.key.namespace):
             return None
         scope["method"], scope["path"], scope["raw_path"], scope["query_string"] = "PUT", path, path.encode(), b""
         slots.taken += 1
         self.held += size
-        return LanePut(
-            key=key,
-            size=size,
-            digest=None if checksum is None else checksum.token,
-            create_only=match is not None,
-            meta=meta,
-            scope=scope,
-            began=began,
-        )
+        return LanePut(taken, scope, began)
 
     def release(self, put: LanePut) -> None:
         """Give back ``put``'s upload slot and its share of the held bytes (stored, or handed to the stack)."""
@@ -160,28 +150,21 @@ class PutLane:
         """``BlockService.put`` of the body's chunks, answered as the route answers (its slot given back)."""
         try:
             try:
+                request = put.request
                 result = await self._service.put(
-                    put.key,
+                    request.key,
                     BodyPieces(chunks),
-                    size=put.size,
-                    digest=put.digest,
-                    create_only=put.create_only,
-                    meta=put.meta,
+                    size=request.size,
+                    digest=request.digest,
+                    create_only=request.create_only,
+                    meta=request.meta,
                 )
             except Exception as exc:
                 return await self._error(put, exc)
         finally:
             self.release(put)
-        meta = result.meta
-        body = (
-            f'{{"key":{_json(meta.key)},"size":{meta.size},"digest":{_json(meta.digest)},'
-            f'"created":{"true" if result.created else "false"}}}'
-        ).encode()
-        lines = (
-            f"etag: {wire.quote_etag(meta.digest)}\r\nlocation: /v1/blocks/{meta.key}\r\n"
-            f"content-length: {len(body)}\r\n"
-        ).encode("latin-1")
-        return Answer(201 if result.created else 200, lines + _JSON, body)
+        answer = put_answer(result)
+        return Answer(answer.status, _lines(answer.headers), answer.body)
 
     async def _error(self, put: LanePut, exc: Exception) -> Answer:
         """The app's exception handler's answer (the error table's JSON), or Starlette's 500 for an exception no
@@ -193,8 +176,7 @@ class PutLane:
             response = PlainTextResponse("Internal Server Error", status_code=500)
         else:
             response = await handler(Request(put.scope), exc)
-        lines = b"".join(name + b": " + value + b"\r\n" for name, value in response.raw_headers)
-        return Answer(response.status_code, lines, bytes(response.body))
+        return Answer(response.status_code, _lines(response.raw_headers), bytes(response.body))
 
     def record(self, put: LanePut, answer: Answer, seconds: float) -> None:
         self.served += 1
@@ -213,5 +195,5 @@ def lane_service(lane: Any) -> Any:
     return core.service
 
 
-def _json(text: str) -> str:
-    return json.dumps(text, ensure_ascii=False)
+def _lines(headers: list[tuple[bytes, bytes]]) -> bytes:
+    return b"".join(name + b": " + value + b"\r\n" for name, value in headers)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from connector.cost import FLOOR, MIB, CostModel, CostSettings, LoadOutcome, Verdict
+from connector.planning.cost import FLOOR, MIB, CostModel, CostSettings, LoadOutcome, Verdict
 
 BLOCK_BYTES = 1 * MIB
 BLOCK_TOKENS = 16

@@ -57,8 +57,8 @@ def check(backend: str, layout: Any, *, heads: int, block: int, hs: int, dtype: 
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from connector.layout import backend_layout, layer_views
-    from connector.transfer import BlockTransfer
+    from connector.device.layout import backend_layout, layer_views
+    from connector.device.transfer import BlockTransfer
 
     spec = FullAttentionSpec(block_size=block, num_kv_heads=heads, head_size=hs, dtype=dtype)
     try:

@@ -34,13 +34,13 @@ from collections import deque
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-from connector.client import BlockClient
-from connector.cost import LoadOutcome
-from connector.layout import BlockGeometry, rank_byte_range
-from connector.loader import BlockLoader
-from connector.plan import BlockJob
-from connector.streams import CopyEvent, StreamOps
-from connector.transfer import BlockTransfer, StagedBatch
+from connector.device.layout import BlockGeometry, rank_byte_range
+from connector.device.streams import CopyEvent, StreamOps
+from connector.device.transfer import BlockTransfer, StagedBatch
+from connector.http.client import BlockClient
+from connector.planning.cost import LoadOutcome
+from connector.planning.plan import BlockJob
+from connector.worker.loader import BlockLoader
 from contract.keys import RunNaming
 
 log = logging.getLogger("kvgate.connector.pipeline")

@@ -30,8 +30,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from connector.layout import BlockGeometry, KVLayout, paged_geometry
-from connector.pinned import (
+from connector.device.layout import BlockGeometry, KVLayout, paged_geometry
+from connector.device.pinned import (
     CompletedEvent,
     EventWaiter,
     HostBuffer,
@@ -40,7 +40,7 @@ from connector.pinned import (
     PoolExhausted,
     StagedBatch,
 )
-from connector.streams import CopyEvent, CudaStreams, StreamOps
+from connector.device.streams import CopyEvent, CudaStreams, StreamOps
 
 log = logging.getLogger("kvgate.connector.transfer")
 

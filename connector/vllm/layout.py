@@ -8,7 +8,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from connector.layout import BackendLayout, LayoutError, backend_layout
+from connector.device.layout import BackendLayout, LayoutError, backend_layout
 from contract.keys import KVGroup
 
 if TYPE_CHECKING:

@@ -37,23 +37,23 @@ from typing import Any, TypeVar
 
 import aiohttp
 
-from connector import body
-from connector.budget import ByteBudget
-from connector.checksums import checksum_off_loop
-from connector.client_tls import check_tls, client_ssl_context, tls_failure
-from connector.client_types import ClientConfig as ClientConfig
-from connector.client_types import ClientStats as ClientStats
-from connector.client_types import LookupSlot as LookupSlot
-from connector.errors import ConnectorError as ConnectorError
-from connector.errors import GatewayRejected as GatewayRejected
-from connector.errors import GatewayTLSError as GatewayTLSError
-from connector.errors import GatewayUnavailable as GatewayUnavailable
+from connector.http import body
+from connector.http.budget import ByteBudget
+from connector.http.checksums import checksum_off_loop
+from connector.http.client_types import ClientConfig as ClientConfig
+from connector.http.client_types import ClientStats as ClientStats
+from connector.http.client_types import LookupSlot as LookupSlot
+from connector.http.errors import ConnectorError as ConnectorError
+from connector.http.errors import GatewayRejected as GatewayRejected
+from connector.http.errors import GatewayTLSError as GatewayTLSError
+from connector.http.errors import GatewayUnavailable as GatewayUnavailable
+from connector.http.tls import check_tls, client_ssl_context, tls_failure
 from contract import wire
 from contract.wire import BLOCK_META_HEADER, CHECKSUM_HEADER, PART_CHECKSUM_HEADER
 from contract.wire import retry_after_s as retry_after_s
 
 try:
-    from connector.http1 import LeanPool, Target
+    from connector.http.http1 import LeanPool, Target
 except ImportError:  # no httptools in the engine's environment (vLLM's own server brings it): aiohttp for all
     LeanPool = None  # type: ignore[assignment, misc]
     Target = Callable[[int], memoryview | None]  # type: ignore[misc]
@@ -85,7 +85,7 @@ class BlockClient:
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvgate-client", daemon=True)
         self._thread.start()
         self._lean: LeanPool | None = None
-        """Block PUTs go here (connector/http1.py), everything else to the aiohttp session."""
+        """Block PUTs go here (connector/http/http1.py), everything else to the aiohttp session."""
         try:
             self._session: aiohttp.ClientSession = self.run(self._open(), timeout_s=10.0)
             if config.check_tls_on_start and config.base_url.lower().startswith("https://"):
@@ -208,7 +208,7 @@ class BlockClient:
 
         ``read``: reads the body of an answer that is not retried (default: all of it, as bytes). ``plain``: a block
         PUT or GET (``headers``, and a ``data`` buffer to send) that the lean pool sends when it can
-        (connector/http1.py; its answer's headers are a CIMultiDict, as aiohttp's); ``target_for`` then says where
+        (connector/http/http1.py; its answer's headers are a CIMultiDict, as aiohttp's); ``target_for`` then says where
         the body of an answer goes, as ``read`` does for aiohttp (None: read whole, as bytes). Retried:
         connection errors, timeouts and 502/503/504; every other status is returned as it is. Raises
         GatewayUnavailable (and opens the circuit) when the retries run out, or at once while the circuit is open.

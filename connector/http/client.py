@@ -154,8 +154,9 @@ class BlockClient:
     # -- bytes in flight -------------------------------------------------------------------------------------
 
     def reserve(self, nbytes: int, *, count: bool = True) -> bool:
-        """Take ``nbytes`` of the in-flight budget; False when it does not fit (counted as a dropped store unless
-        ``count`` is False: a caller that will wait and try again counts the drop itself if it gives up)."""
+        """Take ``nbytes`` of the in-flight budget; False when it does not fit, counted as a dropped store
+        (``stats.dropped_stores``) unless ``count`` is False: a caller that will wait and try again passes True on
+        its last try, so a store it gives up is counted once, here."""
         if self.budget.reserve(nbytes):
             return True
         if count:
@@ -242,9 +243,25 @@ class BlockClient:
         """Store ``data`` under ``key`` (or the part ``[start, end)`` of ``total`` bytes); True once the gateway has it.
 
         False when the gateway is full (507): the store is dropped and counted in ``stats.full_stores``, the
-        gateway is not down. The checksum is computed here, after the caller's copy fence, and sent for the gateway
-        to verify. ``meta``: the block's ``X-KVGate-Block-Meta`` (``wire.format_block_meta``), for the KV events.
+        gateway is not down; a store that raises is counted in ``stats.failed_stores``. The checksum is computed
+        here, after the caller's copy fence, and sent for the gateway to verify. ``meta``: the block's
+        ``X-KVGate-Block-Meta`` (``wire.format_block_meta``), for the KV events.
         """
+        try:
+            return await self._put(key, data, content_range=content_range, create_only=create_only, meta=meta)
+        except Exception:
+            self.stats.failed_stores += 1
+            raise
+
+    async def _put(
+        self,
+        key: str,
+        data: Buffer,
+        *,
+        content_range: tuple[int, int, int] | None,
+        create_only: bool,
+        meta: str | None,
+    ) -> bool:
         checksum = await checksum_off_loop(data, self.config.checksum)
         headers = {"Content-Type": "application/octet-stream"}
         if content_range is None:

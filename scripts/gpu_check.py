@@ -54,8 +54,8 @@ from gpu_harness import (
 )
 from gpu_layouts import layouts
 
-from connector.plan import BlockJob
-from connector.transfer import BlockTransfer, KVLayout
+from connector.device.transfer import BlockTransfer, KVLayout
+from connector.planning.plan import BlockJob
 
 # -- hazards ---------------------------------------------------------------------------------------------------------
 

@@ -20,10 +20,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from connector.client import ClientStats
-from connector.pipeline import WorkerPipeline
-from connector.plan import BlockJob
-from connector.transfer import BlockTransfer, KVLayout
+from connector.device.transfer import BlockTransfer, KVLayout
+from connector.http.client import ClientStats
+from connector.planning.plan import BlockJob
+from connector.worker.pipeline import WorkerPipeline
 from contract.keys import KVGroup, RunNaming, naming
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"

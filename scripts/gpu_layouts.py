@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_harness import FAIL, PASS
 
-from connector.transfer import BlockTransfer, KVLayout
+from connector.device.transfer import BlockTransfer, KVLayout
 
 # vLLM 0.33 vllm/v1/kv_cache_layout.py: logical [L, B, H, N, C] -> memory order. Used when vllm is not importable.
 KV_CACHE_LAYOUTS = {
@@ -37,8 +37,8 @@ def kv_cache_layouts() -> dict[str, tuple[int, ...]]:
 
 
 def layout_mapping() -> Callable[..., tuple[torch.Tensor, KVLayout]]:
-    """The connector's mapping from vLLM's per-layer view to transfer tensors (connector/layout.py)."""
-    from connector.layout import backend_layout, layer_views
+    """The connector's mapping from vLLM's per-layer view to transfer tensors (connector/device/layout.py)."""
+    from connector.device.layout import backend_layout, layer_views
 
     def mapped(kv: torch.Tensor, *, name: str, dtype: str, heads: int, block: int, size: int) -> Any:
         layout = backend_layout(

@@ -40,8 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import key_for
-from connector import client as this_client
-from connector.checksums import checksum
+from connector.http import client as this_client
+from connector.http.checksums import checksum
 from contract.wire import CHECKSUM_HEADER
 from loopback.gateway import REPO, Gateway
 
@@ -51,11 +51,11 @@ BASE = "68d541f"
 
 def earlier_client(ref: str) -> types.ModuleType:
     source = subprocess.run(
-        ["git", "show", f"{ref}:connector/client.py"], cwd=REPO, capture_output=True, check=True, text=True
+        ["git", "show", f"{ref}:connector/http/client.py"], cwd=REPO, capture_output=True, check=True, text=True
     ).stdout
     module = types.ModuleType("connector._earlier_client")
     sys.modules[module.__name__] = module  # dataclasses look their module up there
-    exec(compile(source, f"{ref}:connector/client.py", "exec"), module.__dict__)
+    exec(compile(source, f"{ref}:connector/http/client.py", "exec"), module.__dict__)
     return module
 
 

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
-from connector.client import BlockClient, ClientConfig
-from connector.pipeline import WorkerPipeline
-from connector.plan import BlockJob
-from connector.transfer import BlockTransfer, KVLayout
+from connector.device.transfer import BlockTransfer, KVLayout
+from connector.http.client import BlockClient, ClientConfig
+from connector.planning.plan import BlockJob
+from connector.worker.pipeline import WorkerPipeline
 from contract.keys import KVGroup, RunNaming, naming
 from loopback.gateway import Gateway
 

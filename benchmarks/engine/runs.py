@@ -105,7 +105,7 @@ def gateway_env(server: S3TestServer | None) -> dict[str, str]:
 def tp_range_gets(url: str, keys: list[str], *, block_bytes: int, tp: int, window: int) -> float:
     """Seconds to GET (and verify) every rank's byte range of ``keys`` as ``tp`` ranks reading at once would: each
     rank a window of ``window`` blocks in flight, into a buffer of its own."""
-    from connector.client import BlockClient, ClientConfig
+    from connector.http.client import BlockClient, ClientConfig
 
     part = block_bytes // tp
 

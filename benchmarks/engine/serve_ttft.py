@@ -170,7 +170,7 @@ def raw_gets(data: Path, url: str, blocks: int) -> tuple[float, float]:
     """Bytes per second of GETs of the gateway's newest ``blocks`` blocks alone, 16 in flight as the loader reads
     them: with their checksum checks (the connector's client, as the loader reads them), and plain (aiohttp, no
     checks: what the bytes cost on the wire)."""
-    from connector.client import BlockClient, ClientConfig
+    from connector.http.client import BlockClient, ClientConfig
 
     root = data / "blocks"
     files = sorted(root.rglob("*.bin"), key=lambda p: p.stat().st_mtime_ns)[-blocks:]

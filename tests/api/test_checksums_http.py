@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 
 from app.storage.checksums import checksum_of
-from connector.client import BlockClient, ClientConfig
+from connector.http.client import BlockClient, ClientConfig
 from contract.wire import (
     CHECKSUM_HEADER,
     DIGEST_HEADER,

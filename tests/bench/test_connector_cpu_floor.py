@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from benchmarks.connector.cpu import FloorClient
-from connector.checksums import checksum
+from connector.http.checksums import checksum
 from contract.wire import CHECKSUM_HEADER
 from tests.conftest import key_for, random_bytes
 from tests.gateway import Gateway

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from connector.streams import CopyEvent
+from connector.device.streams import CopyEvent
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from connector.body import BlockPayload
+from connector.http.body import BlockPayload
 from tests.conftest import random_bytes
 
 DATA = random_bytes(300_000, seed=11)

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from connector.pinned import HostBuffer, HostBufferPool
-from connector.transfer import BlockTransfer, KVLayout
+from connector.device.pinned import HostBuffer, HostBufferPool
+from connector.device.transfer import BlockTransfer, KVLayout
 from tests.connector.fakes import FakeStream, RecordingStreams
 
 LAYERS, HEADS, HEAD_SIZE, BLOCK, NUM_BLOCKS = 2, 2, 16, 4, 16

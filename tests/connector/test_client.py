@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from connector.client import BlockClient, ClientConfig, GatewayUnavailable
+from connector.http.client import BlockClient, ClientConfig, GatewayUnavailable
 from tests.conftest import crc, key_for, random_bytes
 from tests.gateway import Gateway, free_port
 

@@ -21,7 +21,7 @@ import httpx
 import pytest
 from aiohttp import web
 
-from connector.client import BlockClient, ClientConfig, GatewayRejected, GatewayUnavailable, retry_after_s
+from connector.http.client import BlockClient, ClientConfig, GatewayRejected, GatewayUnavailable, retry_after_s
 from tests.conftest import key_for, random_bytes
 from tests.gateway import Gateway
 

@@ -1,4 +1,4 @@
-"""connector.cost: load or recompute, per request: the estimates and the decision, as plain values."""
+"""connector.planning.cost: load or recompute, per request: the estimates and the decision, as plain values."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from connector.cost import FLOOR, MIB, CostModel, CostSettings, LoadOutcome, Verdict
+from connector.planning.cost import FLOOR, MIB, CostModel, CostSettings, LoadOutcome, Verdict
 
 BLOCK_BYTES = 1 * MIB
 BLOCK_TOKENS = 16

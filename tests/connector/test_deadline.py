@@ -12,11 +12,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from connector.client import BlockClient, ClientConfig
-from connector.cost import MIB, CostModel, CostSettings
-from connector.pipeline import WorkerPipeline
-from connector.plan import BlockJob, KeyScheme, SchedulerPlanner
-from connector.transfer import BlockTransfer, KVLayout
+from connector.device.transfer import BlockTransfer, KVLayout
+from connector.http.client import BlockClient, ClientConfig
+from connector.planning.cost import MIB, CostModel, CostSettings
+from connector.planning.plan import BlockJob, KeyScheme, SchedulerPlanner
+from connector.worker.pipeline import WorkerPipeline
 from loopback.proxy import proxy
 from tests.connector.test_pipeline import BLOCK, LAYER_NAMES, full_kv, hashes, run_naming, same, shard
 from tests.gateway import Gateway
@@ -172,7 +172,7 @@ def test_the_cost_model_loads_the_part_of_a_prefix_that_fits(
 
 
 def _outcome(*, nbytes: int, seconds: float):  # type: ignore[no-untyped-def]
-    from connector.cost import LoadOutcome
+    from connector.planning.cost import LoadOutcome
 
     return LoadOutcome(loaded=0, nbytes=nbytes, seconds=seconds, expired=False)
 

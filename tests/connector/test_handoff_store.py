@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from connector.client import BlockClient, ClientConfig
-from connector.pipeline import WorkerPipeline
-from connector.transfer import BlockTransfer, KVLayout
+from connector.device.transfer import BlockTransfer, KVLayout
+from connector.http.client import BlockClient, ClientConfig
+from connector.worker.pipeline import WorkerPipeline
 from loopback.proxy import proxy
 from tests.connector.test_pipeline import LAYER_NAMES, full_kv, hashes, job, load, run_naming, same, shard
 from tests.gateway import Gateway

@@ -1,4 +1,4 @@
-"""The lean PUT pool (connector/http1.py) through BlockClient: the request on the wire, keep-alive connections and
+"""The lean PUT pool (connector/http/http1.py) through BlockClient: the request on the wire, keep-alive connections and
 what happens when one breaks, timeouts, the connection limit; against a scripted raw HTTP server on loopback (each
 request answered by the next action of its script) and a real gateway."""
 
@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from connector.checksums import checksum
-from connector.client import BlockClient, ClientConfig, GatewayUnavailable
-from connector.http1 import _Connection
+from connector.http.checksums import checksum
+from connector.http.client import BlockClient, ClientConfig, GatewayUnavailable
+from connector.http.http1 import _Connection
 from tests.conftest import key_for, random_bytes
 from tests.gateway import REPO, Gateway
 
@@ -159,7 +159,7 @@ def test_head_and_body_go_in_one_writev_and_any_rest_through_the_transport(
     same bytes whatever the socket took."""
     import os
 
-    real = os.writev  # (connector.http1.os is the os module: patched for everyone while the test runs)
+    real = os.writev  # (connector.http.http1.os is the os module: patched for everyone while the test runs)
     calls: list[tuple[int, ...]] = []
 
     def writev(fd: int, buffers: tuple[bytes, memoryview]) -> int:
@@ -173,7 +173,7 @@ def test_head_and_body_go_in_one_writev_and_any_rest_through_the_transport(
             return os.write(fd, head[:takes])
         return real(fd, (head, body[: len(body) // 3]))
 
-    monkeypatch.setattr("connector.http1.os.writev", writev)
+    monkeypatch.setattr("connector.http.http1.os.writev", writev)
     with client(raw.url) as bc:
         for i in range(3):
             assert bc.run(bc.put(key_for(i), DATA))
@@ -272,7 +272,7 @@ def test_without_httptools_every_request_goes_on_aiohttp(gateway: Gateway) -> No
     code = f"""
 import sys
 sys.modules["httptools"] = None  # import fails
-from connector.client import BlockClient, ClientConfig
+from connector.http.client import BlockClient, ClientConfig
 with BlockClient(ClientConfig(base_url={gateway.url!r})) as bc:
     assert bc._lean is None
     assert bc.run(bc.put({key_for(77)!r}, b"abc" * 1000))

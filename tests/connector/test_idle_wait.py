@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 import torch
 
-from connector.client import BlockClient, ClientConfig
-from connector.pipeline import WorkerPipeline
-from connector.plan import KeyScheme, SchedulerPlanner
-from connector.transfer import BlockTransfer, KVLayout
+from connector.device.transfer import BlockTransfer, KVLayout
+from connector.http.client import BlockClient, ClientConfig
+from connector.planning.plan import KeyScheme, SchedulerPlanner
+from connector.worker.pipeline import WorkerPipeline
 from tests.connector.test_pipeline import BLOCK, full_kv, hashes, job, run_naming, shard
 from tests.gateway import Gateway
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from connector import layout
-from connector.layout import (
+from connector.device import layout
+from connector.device.layout import (
     BlockGeometry,
     head_byte_range,
     heads_of,
@@ -107,18 +107,18 @@ def test_headers() -> None:
         wire.format_range(start=3, end=2)
 
 
-# --- per-backend page layouts (connector.layout.backend_layout / layer_views) ----------------------------------
+# --- per-backend page layouts (connector.device.layout.backend_layout / layer_views) ----------------------------------
 
 import torch  # noqa: E402  (a test dependency: a missing torch is a broken install, not a skip)
 
-from connector.layout import (  # noqa: E402
+from connector.device.layout import (  # noqa: E402
     BackendLayout,
     LayoutError,
     PageFormat,
     backend_layout,
     layer_views,
 )
-from connector.transfer import BlockTransfer  # noqa: E402
+from connector.device.transfer import BlockTransfer  # noqa: E402
 from contract.keys import KVGroup  # noqa: E402
 from contract.keys import naming as run_naming  # noqa: E402
 

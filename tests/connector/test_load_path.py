@@ -1,5 +1,5 @@
 """The load path: ``BlockClient.get_into`` reads a block straight into the caller's buffer and verifies it there, and
-the loader (connector/loader.py) gives every load buffer back, whatever ends a load.
+the loader (connector/worker/loader.py) gives every load buffer back, whatever ends a load.
 
 A real gateway serves the bytes; a stdlib HTTP server that ignores Range stands for a server kvgate did not write
 (it answers 200 with the whole object and its ETag).
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from connector.client import BlockClient, ClientConfig
+from connector.http.client import BlockClient, ClientConfig
 from tests.conftest import key_for, random_bytes
 from tests.connector.test_pipeline import full_kv, hashes, job, pipeline, run_naming, same, shard
 from tests.gateway import Gateway

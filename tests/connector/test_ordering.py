@@ -23,10 +23,10 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from connector.client import BlockClient, ClientConfig
-from connector.pipeline import WorkerPipeline
-from connector.plan import BlockJob
-from connector.transfer import BlockTransfer, KVLayout
+from connector.device.transfer import BlockTransfer, KVLayout
+from connector.http.client import BlockClient, ClientConfig
+from connector.planning.plan import BlockJob
+from connector.worker.pipeline import WorkerPipeline
 from contract.keys import KVGroup, RunNaming, naming
 from tests.connector.fakes import FakeStream, Op, RecordingStreams
 from tests.gateway import Gateway

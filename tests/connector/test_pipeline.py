@@ -13,9 +13,9 @@ import httpx
 import pytest
 import torch
 
-from connector.client import BlockClient, ClientConfig
-from connector.plan import BlockJob, KeyScheme, SchedulerPlanner
-from connector.transfer import BlockTransfer, KVLayout
+from connector.device.transfer import BlockTransfer, KVLayout
+from connector.http.client import BlockClient, ClientConfig
+from connector.planning.plan import BlockJob, KeyScheme, SchedulerPlanner
 from contract.keys import KVGroup, RunNaming, naming
 from contract.wire import RANGE_CHECKSUM_HEADER
 from tests.conftest import crc_header
@@ -54,7 +54,7 @@ def run_naming(*, tp: int, rank: int, dtype: torch.dtype, mla: bool = False, gro
 
 
 def pipeline(client: BlockClient, kv: dict[str, torch.Tensor], naming_: RunNaming, *, tp: int, rank: int):  # type: ignore[no-untyped-def]
-    from connector.pipeline import WorkerPipeline
+    from connector.worker.pipeline import WorkerPipeline
 
     transfer = BlockTransfer(kv_caches=kv, layout=KVLayout.NHD, max_blocks_per_batch=4, store_buffers=8, load_buffers=4)
     return WorkerPipeline(client=client, naming=naming_, transfers=[transfer], tp_size=tp, tp_rank=rank)

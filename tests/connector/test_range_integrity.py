@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from connector.client import BlockClient, ClientConfig
+from connector.http.client import BlockClient, ClientConfig
 from tests.conftest import key_for, random_bytes
 from tests.gateway import Gateway
 

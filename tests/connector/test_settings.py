@@ -1,4 +1,4 @@
-"""connector.settings: the connector's and the tier's keys parsed once, typed and frozen; unknown keys refused."""
+"""connector.vllm.settings: the connector's and the tier's keys parsed once, typed and frozen; unknown keys refused."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from connector.client import ClientConfig
-from connector.settings import ConnectorSettings, SettingsError, TierSettings
+from connector.http.client import ClientConfig
+from connector.vllm.settings import ConnectorSettings, SettingsError, TierSettings
 
 VLLM_DOC = Path(__file__).resolve().parents[2] / "docs" / "vllm.md"  # its connector tables
 

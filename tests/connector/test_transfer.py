@@ -14,8 +14,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from connector.layout import BlockGeometry, head_byte_range, heads_of, rank_byte_range
-from connector.transfer import BlockTransfer, KVLayout, PoolExhausted, one_copy_thread
+from connector.device.layout import BlockGeometry, head_byte_range, heads_of, rank_byte_range
+from connector.device.transfer import BlockTransfer, KVLayout, PoolExhausted, one_copy_thread
 
 LAYERS, HEADS, HEAD_SIZE, BLOCK, NUM_BLOCKS = 4, 8, 128, 16, 10
 DTYPES = [torch.bfloat16, torch.float16]

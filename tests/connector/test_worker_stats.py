@@ -10,10 +10,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from connector.client import BlockClient, ClientConfig
-from connector.pipeline import WORKER_COUNTERS, WORKER_GAUGES, WorkerPipeline
-from connector.plan import PlanStats
-from connector.transfer import BlockTransfer, KVLayout
+from connector.device.transfer import BlockTransfer, KVLayout
+from connector.http.client import BlockClient, ClientConfig
+from connector.planning.plan import PlanStats
+from connector.worker.pipeline import WORKER_COUNTERS, WORKER_GAUGES, WorkerPipeline
 from tests.connector.test_pipeline import full_kv, hashes, job, load, run_naming, shard
 from tests.gateway import free_port
 

@@ -4,8 +4,8 @@
 
 For each attention backend and each KV-cache layout it supports, builds the per-layer views exactly as vLLM
 allocates them (the backend's ``customize_spec``, ``create_kv_cache_views``), writes known K and V through the
-split that the backend's own ``forward`` uses, then moves the blocks with ``connector.layout.layer_views`` and
-``connector.transfer.BlockTransfer`` and compares the bytes with the canonical array built from the same K and V.
+split that the backend's own ``forward`` uses, then moves the blocks with ``connector.device.layout.layer_views`` and
+``connector.device.transfer.BlockTransfer`` and compares the bytes with the canonical array built from the same K and V.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ def check(backend: str, layout: Any, *, heads: int, block: int, hs: int, dtype: 
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from connector.layout import backend_layout, layer_views
-    from connector.transfer import BlockTransfer
+    from connector.device.layout import backend_layout, layer_views
+    from connector.device.transfer import BlockTransfer
 
     spec = FullAttentionSpec(block_size=block, num_kv_heads=heads, head_size=hs, dtype=dtype)
     try:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from connector.client import BlockClient, ClientConfig
-from connector.plan import KeyScheme, SchedulerPlanner
+from connector.http.client import BlockClient, ClientConfig
+from connector.planning.plan import KeyScheme, SchedulerPlanner
 from tests.connector.test_pipeline import BLOCK, full_kv, hashes, pipeline, run_naming, shard
 from tests.events.helpers import events_gateway, hello, read_batches
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from connector.client import BlockClient, ClientConfig
+from connector.http.client import BlockClient, ClientConfig
 from contract.keys import namespace_for
 from contract.wire import format_block_meta
 from tests.conftest import agnostic_fields

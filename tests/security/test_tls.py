@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from app.api.middleware.principals import hash_token
-from connector.client import BlockClient, ClientConfig, GatewayTLSError
+from connector.http.client import BlockClient, ClientConfig, GatewayTLSError
 from loopback.tls_pki import CA, DAY, NOW, TlsGateway
 from tests.conftest import key_for, random_bytes
 from tests.gateway import Gateway
@@ -128,7 +128,7 @@ def test_server_certificate_from_a_wrong_ca_is_refused(mtls: TlsGateway, pki: Pk
     assert r.returncode == 60 and "certificate" in r.stderr, r
     with pytest.raises(GatewayTLSError, match="certificate verify failed"):
         client_for(mtls.url, ca=pki.other_ca, cert=pki.node)
-    # without the start-up check, the first store says the same (the PUT goes on the lean pool: connector/http1.py)
+    # without the start-up check, the first store says the same (the PUT goes on the lean pool: connector/http/http1.py)
     with client_for(mtls.url, ca=pki.other_ca, cert=pki.node, check=False) as bc:
         with pytest.raises(GatewayTLSError, match="certificate verify failed"):
             bc.run(bc.put(key_for(300), b"x" * 1000))

@@ -76,11 +76,11 @@ def test_standalone_connector_reads_the_tls_keys(vllm_python: str) -> None:
     from tests.gateway import REPO
 
     code = (
-        "import json; import connector.vllm; from connector.settings import ConnectorSettings; "
+        "import json; import connector.vllm.connector; from connector.vllm.settings import ConnectorSettings; "
         "c = ConnectorSettings.parse({'url': 'https://gw:8750', 'ca_file': '/p/ca.pem', 'cert_file': '/p/n.crt', "
         "'key_file': '/p/n.key'}).client_config()\n"
         "print(json.dumps([c.base_url, c.ca_file, c.cert_file, c.key_file]))\n"
-        "from connector.settings import SettingsError\n"
+        "from connector.vllm.settings import SettingsError\n"
         "try:\n    ConnectorSettings.parse({'url': 'https://gw:8750', 'ca_fle': '/p/ca.pem'})\n"
         "except SettingsError as exc:\n    print(json.dumps(['refused', str(exc)]))"
     )

@@ -64,6 +64,10 @@ def test_the_graph_is_read() -> None:
     assert "app.core.service" in GRAPH["app.api.routes.blocks"]
 
 
+# the vLLM wing and the two module paths users write in vLLM's config besides ``connector.vllm``
+VLLM_SIDE = ("connector.vllm", "connector.vllm_tier", "connector.vllm_offloading")
+
+
 @pytest.mark.parametrize(
     ("sources", "forbidden"),
     [
@@ -84,6 +88,12 @@ def test_the_graph_is_read() -> None:
         (("app.api.routes", "app.api.middleware", "app.api.errors"), ("app.api.server", "app.api.openapi")),
         (("app.api.routes",), ("app.api.middleware",)),
         (("app.api.middleware",), ("app.api.routes",)),
+        # the connector's wings: the client and the device copies stand alone; planning asks the gateway (through
+        # the client) but touches no device; the worker joins the three; only the vLLM wing knows vLLM's side
+        (("connector.http",), ("connector.planning", "connector.device", "connector.worker", *VLLM_SIDE)),
+        (("connector.device",), ("connector.http", "connector.planning", "connector.worker", *VLLM_SIDE)),
+        (("connector.planning",), ("connector.device", "connector.worker", *VLLM_SIDE)),
+        (("connector.worker",), VLLM_SIDE),
     ],
 )
 def test_lower_layers_do_not_import_higher_ones(sources: tuple[str, ...], forbidden: tuple[str, ...]) -> None:
@@ -102,11 +112,11 @@ def test_the_shared_contract_is_stdlib_only() -> None:
 def test_only_the_vllm_modules_import_vllm() -> None:
     importers = {mod for mod, imports in GRAPH.items() for imp in imports if _under(imp, "vllm")}
     assert importers == {
-        "connector.vllm",
-        "connector.vllm_layout",
-        "connector.vllm_metrics",
-        "connector.vllm_offloading",
-        "connector.vllm_tier",
+        "connector.vllm.connector",
+        "connector.vllm.layout",
+        "connector.vllm.metrics",
+        "connector.vllm.offloading",
+        "connector.vllm.tier",
     }
 
 
@@ -250,3 +260,36 @@ def test_the_index_is_composed_not_mixed() -> None:
         if isinstance(node, ast.ClassDef) and len(node.bases) > 1
     ]
     assert mixed == []
+
+
+CONNECTOR_WINGS = ("connector.http", "connector.planning", "connector.device", "connector.worker", "connector.vllm")
+
+
+def test_the_connector_is_split_by_wing() -> None:
+    """``connector/`` holds its wings; the only modules at its top are the two module paths users write in vLLM's
+    config besides the ``connector.vllm`` package (``connector.vllm_tier``, ``connector.vllm_offloading``)."""
+    top = {mod for mod in GRAPH if mod.startswith("connector.") and mod.count(".") == 1}
+    assert top == {*CONNECTOR_WINGS, "connector.vllm_tier", "connector.vllm_offloading"}
+    assert GRAPH["connector.vllm_tier"] <= {"connector.vllm.tier", "connector.vllm.tier.KVGateTier"}
+    assert GRAPH["connector.vllm_offloading"] <= {
+        "connector.vllm.offloading",
+        "connector.vllm.offloading.KVGateOffloadingConnector",
+    }
+
+
+def test_the_connector_wings_have_no_import_cycle() -> None:
+    """Between wings (a wing is one node) and between modules: none."""
+
+    def wing(mod: str) -> str | None:
+        return next((w for w in CONNECTOR_WINGS if _under(mod, w)), None)
+
+    edges: dict[str, set[str]] = {w: set() for w in CONNECTOR_WINGS}
+    for mod, imports in GRAPH.items():
+        if (src := wing(mod)) is not None:
+            edges[src] |= {dst for imp in imports if (dst := wing(imp)) not in (None, src)}
+    order: list[str] = []
+    while len(order) < len(edges):  # peel off the wings nothing left imports from: all of them, or a cycle is left
+        free = sorted(w for w in edges if w not in order and edges[w] <= set(order))
+        assert free, {w: edges[w] - set(order) for w in edges if w not in order}
+        order += free
+    assert _cycles(("connector",)) == []

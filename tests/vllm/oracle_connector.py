@@ -31,8 +31,8 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
-from connector.plan import BlockJob, StepPlan
-from connector.vllm import KVGateConnector, KVGateConnectorMetadata
+from connector.planning.plan import BlockJob, StepPlan
+from connector.vllm.connector import KVGateConnector, KVGateConnectorMetadata
 
 LAYERS, HEADS, HEAD, BLOCK, NUM_BLOCKS = 4, 8, 32, 16, 24
 

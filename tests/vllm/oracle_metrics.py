@@ -3,7 +3,7 @@ of two engine steps: a real ``SchedulerPlanner.report()`` each, merged with what
 
 vLLM's own ``KVConnectorProm`` (what its ``PrometheusStatLogger`` holds) finds the connector class through the
 factory and calls its ``build_prom_metrics`` with prometheus_client's classes; its ``observe`` then gets what the
-scheduler sends, ``KVGateStats.to_dict()``. The planner decides for real (connector/cost.py) over a client that
+scheduler sends, ``KVGateStats.to_dict()``. The planner decides for real (connector/planning/cost.py) over a client that
 answers lookups at once (no gateway: only its decisions and their counts matter here).
 
 The workers are ``KVGateConnector``s in vLLM's worker role (built through the factory, with KV tensors registered),
@@ -37,10 +37,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging, KVConnectorProm
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
-from connector.cost import MIB, CostModel, CostSettings, LoadOutcome
-from connector.pinned import HostBuffer
-from connector.plan import BlockJob, KeyScheme, SchedulerPlanner, StepPlan
-from connector.vllm import KVGateConnector, KVGateConnectorMetadata, KVGateStats
+from connector.device.pinned import HostBuffer
+from connector.planning.cost import MIB, CostModel, CostSettings, LoadOutcome
+from connector.planning.plan import BlockJob, KeyScheme, SchedulerPlanner, StepPlan
+from connector.vllm.connector import KVGateConnector, KVGateConnectorMetadata, KVGateStats
 from contract.keys import KVGroup, naming
 from tests.gateway import free_port
 from tests.vllm.oracle_connector import configs, kv_tensors

@@ -30,7 +30,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, 
 from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 from vllm.v1.request import Request
 
-from connector.vllm import KVGateConnector
+from connector.vllm.connector import KVGateConnector
 from tests.vllm.oracle_connector import BLOCK, configs, kv_tensors
 
 PROMPT_BLOCKS = 3

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from connector.cost import Verdict
-from connector.pipeline import WORKER_COUNTERS, WORKER_GAUGES
-from connector.plan import PlanStats
+from connector.planning.cost import Verdict
+from connector.planning.plan import PlanStats
+from connector.worker.pipeline import WORKER_COUNTERS, WORKER_GAUGES
 from tests.gateway import Gateway
 from tests.vllm.test_interop import TINY_LLAMA, oracle, result
 

@@ -36,7 +36,7 @@ def test_factory_built_tier_stores_and_loads_rows_byte_identical(
     stored = rows(out, count=4)
 
     # vLLM's factory resolved the out-of-tree tier and handed it the primary tier's real memoryview.
-    assert report["tier_class"] == "connector.vllm_tier.KVGateTier"
+    assert report["tier_class"] == "connector.vllm.tier.KVGateTier"
     assert report["view"] == {"shape": [16, 65536], "strides": [65536, 1], "format": "b"}
 
     assert report["before"][0] == ["MISS"] * 4

@@ -33,7 +33,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.request import Request
 
-from connector.vllm_offloading import KVGateOffloadingConnector
+from connector.vllm.offloading import KVGateOffloadingConnector
 from loopback.vllm_tier import Steps, fill, kvgate_tier_cfg, make_spec
 
 TOKENS_PER_HASH = 16

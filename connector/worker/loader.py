@@ -20,12 +20,12 @@ import logging
 import time
 from collections.abc import Sequence
 
-from connector.client import BlockClient, ConnectorError
-from connector.cost import LoadOutcome
-from connector.pinned import HostBuffer
-from connector.plan import BlockJob
-from connector.streams import CopyEvent
-from connector.transfer import BlockTransfer
+from connector.device.pinned import HostBuffer
+from connector.device.streams import CopyEvent
+from connector.device.transfer import BlockTransfer
+from connector.http.client import BlockClient, ConnectorError
+from connector.planning.cost import LoadOutcome
+from connector.planning.plan import BlockJob
 from contract.keys import RunNaming
 
 log = logging.getLogger("kvgate.connector.loader")

@@ -1,6 +1,6 @@
 """Copies of KV blocks between vLLM's paged KV tensors and pinned host buffers, in the canonical layout.
 
-Streams and events go through ``connector.streams`` (``torch.cuda`` on a GPU). ``gather`` runs on a dedicated
+Streams and events go through ``connector.device.streams`` (``torch.cuda`` on a GPU). ``gather`` runs on a dedicated
 stream that first waits on ``after`` (an event that vLLM's main thread recorded on its forward stream with
 ``mark()``; without one, on the caller's current stream), selects the blocks of every layer into the buffer's device
 staging in canonical order ``(block, head, layer, k|v, token, head_dim)`` (permuted on the GPU), makes ONE
@@ -15,7 +15,7 @@ side streams allocate nothing per copy. A buffer (and its staging) goes back to 
 last copy completed, errors included; one whose copy cannot be fenced stays out (logged).
 
 TP: a rank's tensors hold only its local heads, so the canonical bytes of all local heads ARE the rank's
-``connector.layout.rank_byte_range`` of the object; ``heads=`` narrows a copy to a contiguous run of local heads.
+``connector.device.layout.rank_byte_range`` of the object; ``heads=`` narrows a copy to a contiguous run of local heads.
 Callers must keep vLLM from reusing the blocks until the copy's event is done: it may still be reading/writing them.
 """
 
@@ -30,8 +30,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from connector.layout import BlockGeometry, KVLayout, paged_geometry
-from connector.pinned import (
+from connector.device.layout import BlockGeometry, KVLayout, paged_geometry
+from connector.device.pinned import (
     CompletedEvent,
     EventWaiter,
     HostBuffer,
@@ -40,7 +40,7 @@ from connector.pinned import (
     PoolExhausted,
     StagedBatch,
 )
-from connector.streams import CopyEvent, CudaStreams, StreamOps
+from connector.device.streams import CopyEvent, CudaStreams, StreamOps
 
 log = logging.getLogger("kvgate.connector.transfer")
 
@@ -60,7 +60,8 @@ def _check_kv_caches(kv_caches: dict[str, torch.Tensor], layout: KVLayout) -> Bl
 def _words(layers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The layers reinterpreted as the widest integer words all their strides allow: bit copies, fewer elements.
 
-    A layer whose last dim is not contiguous (the CPU backend's K, ``connector.layout``) keeps its element size."""
+    A layer whose last dim is not contiguous (the CPU backend's K, ``connector.device.layout``) keeps its element
+    size."""
     for word in (torch.int64, torch.int32, torch.int16, torch.uint8):
         with contextlib.suppress(RuntimeError):
             return [t.view(torch.uint8).view(word) for t in layers]

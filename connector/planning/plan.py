@@ -1,13 +1,13 @@
 """What to load and store for each request: the scheduler-side core of the connector, free of vLLM.
 
-connector/vllm.py feeds it plain values (request ids, block hashes, block ids per KV-cache group, token counts) and
-ships the ``StepPlan`` it builds to the workers. One ``POST /v1/lookup`` per request finds the hit (a lookup
+connector/vllm/connector.py feeds it plain values (request ids, block hashes, block ids per KV-cache group, token
+counts) and ships the ``StepPlan`` it builds to the workers. One ``POST /v1/lookup`` per request finds the hit (a lookup
 unanswered after ``lookup_deadline_s`` is a miss); the cost model decides how much of it to load, and the load's
-deadline (connector/cost.py); the lookup runs on the client's loop and is picked up by a later call (``None``: "ask
-again"). A step that has work never waits on the network; a step with nothing scheduled (``build(idle=True)``) first
-waits up to ``lookup_wait_s`` for a lookup in flight, and tells the workers, which wait for their loads in flight
-(connector/pipeline.py): an engine that stepped again at once would spin, holding the GIL and a core that the
-lookups and loads need.
+deadline (connector/planning/cost.py); the lookup runs on the client's loop and is picked up by a later call
+(``None``: "ask again"). A step that has work never waits on the network; a step with nothing scheduled
+(``build(idle=True)``) first waits up to ``lookup_wait_s`` for a lookup in flight, and tells the workers, which wait for
+their loads in flight (connector/worker/pipeline.py): an engine that stepped again at once would spin, holding the GIL
+and a core that the lookups and loads need.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import typing
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from connector.client import BlockClient, ConnectorError, LookupSlot
-from connector.cost import MIB, CostModel, Decision, LoadOutcome, Verdict
-from connector.handoff import Expected
+from connector.http.client import BlockClient, ConnectorError, LookupSlot
+from connector.planning.cost import MIB, CostModel, Decision, LoadOutcome, Verdict
+from connector.planning.handoff import Expected
 from contract.keys import RunNaming, block_path
 from contract.wire import format_block_meta
 
@@ -42,8 +42,8 @@ class BlockJob:
     """Loads: the longest the load may take from its start on the worker; past it, the blocks that did not
     arrive are reported failed (vLLM recomputes them). None: no deadline (the client's timeouts only)."""
     keep: bool = False
-    """Stores of a P/D request (connector/handoff.py): the only copy its consumer will have, so the worker waits,
-    bounded, for buffer room rather than drop them."""
+    """Stores of a P/D request (connector/planning/handoff.py): the only copy its consumer will have, so the worker
+    waits, bounded, for buffer room rather than drop them."""
 
 
 @dataclass(slots=True)
@@ -88,7 +88,7 @@ class _Request:
 
 @dataclass(slots=True)
 class PlanStats:
-    """What the cost model decided and what the loads then took (connector/cost.py)."""
+    """What the cost model decided and what the loads then took (connector/planning/cost.py)."""
 
     loads: int = 0
     """Hits loaded whole."""

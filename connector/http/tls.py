@@ -8,7 +8,7 @@ import ssl
 
 import aiohttp
 
-from connector.errors import GatewayTLSError
+from connector.http.errors import GatewayTLSError
 
 log = logging.getLogger("kvgate.connector.client")
 
@@ -42,7 +42,7 @@ def tls_failure(exc: BaseException) -> str | None:
             return f"the gateway's certificate is not trusted: {seen.certificate_error}"
         if isinstance(seen, aiohttp.ClientSSLError):  # before ssl.SSLError: some of them are both
             return str(seen)
-        if isinstance(seen, ssl.SSLCertVerificationError):  # the lean pool's (connector/http1.py), unwrapped
+        if isinstance(seen, ssl.SSLCertVerificationError):  # the lean pool's (connector/http/http1.py), unwrapped
             return f"the gateway's certificate is not trusted: {seen}"
         if isinstance(seen, ssl.SSLError):
             return str(getattr(seen, "reason", None) or seen)

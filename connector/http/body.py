@@ -11,7 +11,7 @@ from collections.abc import Mapping
 import aiohttp
 from aiohttp.abc import AbstractStreamWriter
 
-from connector.checksums import checksum_off_loop
+from connector.http.checksums import checksum_off_loop
 from contract import wire
 from contract.wire import CHECKSUM_HEADER, RANGE_CHECKSUM_HEADER, RANGE_DIGEST_HEADER, SHA256, Checksum, WireError
 

@@ -1,5 +1,5 @@
-"""What BlockClient is configured with (``ClientConfig``, built by connector/settings.py), what a lookup answers per
-key (``LookupSlot``) and what it counts (``ClientStats``); connector.client re-exports them."""
+"""What BlockClient is configured with (``ClientConfig``, built by connector/vllm/settings.py), what a lookup
+answers per key (``LookupSlot``) and what it counts (``ClientStats``); connector.http.client re-exports them."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ class ClientConfig:
     checksum: str = CRC64NVME
     """The checksum sent with every store (``crc64nvme`` or ``sha256``), which the gateway verifies and records."""
     lean_http: bool = True
-    """Block PUTs and GETs on connector/http1.py's lean HTTP/1.1 pool (its own ``max_connections``), not aiohttp's:
+    """Block PUTs and GETs on connector/http/http1.py's lean HTTP/1.1 pool (its own ``max_connections``), not aiohttp's:
     a fraction of the CPU per request. False: every request on aiohttp."""
 
 

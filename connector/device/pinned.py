@@ -16,7 +16,7 @@ from typing import Self
 
 import torch
 
-from connector.streams import CopyEvent, StreamOps
+from connector.device.streams import CopyEvent, StreamOps
 
 __all__ = [
     "CompletedEvent",

@@ -1,5 +1,6 @@
-"""KVGateConnector: vLLM's ``KVConnectorBase_V1`` mapped onto connector.plan (scheduler) and connector.pipeline
-(worker). The only module that imports vllm; everything it decides is in those plain, vLLM-free classes.
+"""KVGateConnector: vLLM's ``KVConnectorBase_V1`` mapped onto connector.planning.plan (scheduler) and
+connector.worker.pipeline (worker). The only module that imports vllm; everything it decides is in those plain,
+vLLM-free classes.
 
     --kv-transfer-config '{"kv_connector":"KVGateConnector","kv_connector_module_path":"connector.vllm",
                            "kv_role":"kv_both","kv_connector_extra_config":{"url":"http://127.0.0.1:8750"}}'
@@ -7,19 +8,19 @@
 Loads are asynchronous: ``get_num_new_matched_tokens`` answers from one ``POST /v1/lookup`` per request (``None``
 while it is in flight), the worker fetches and scatters between steps and reports the request in ``get_finished``;
 blocks that could not be loaded are reported by ``get_block_ids_with_load_errors`` and vLLM recomputes them. How
-much of a hit is loaded, and by when, is the cost model's call (connector/cost.py): every load has a deadline, past
-which the blocks that did not arrive are reported so; what each load measured comes back to the scheduler in
-``KVGateWorkerMetadata`` and its decisions go out in vLLM's KV transfer stats (``KVGateStats``) and its Prometheus
-metrics (connector/vllm_metrics.py, docs/connector-metrics.md). A step with work never waits on the network. A step
-with nothing scheduled waits, bounded, for a lookup (``build_connector_meta``) or a load (``get_finished``) in
+much of a hit is loaded, and by when, is the cost model's call (connector/planning/cost.py): every load has a
+deadline, past which the blocks that did not arrive are reported so; what each load measured comes back to the
+scheduler in ``KVGateWorkerMetadata`` and its decisions go out in vLLM's KV transfer stats (``KVGateStats``) and its
+Prometheus metrics (connector/vllm/metrics.py, docs/connector-metrics.md). A step with work never waits on the network.
+A step with nothing scheduled waits, bounded, for a lookup (``build_connector_meta``) or a load (``get_finished``) in
 flight instead of returning at once: the engine would step again at once, thousands of times a second, holding the
 GIL and a core that the loads need. Stores are best effort: a block that does not fit the bounded buffers is dropped
 and counted.
 
 Roles (``kv_role``): a ``kv_producer`` stores and never looks up or loads; a ``kv_consumer`` looks up and loads
 and never stores (nor writes the namespace's config); ``kv_both`` does both. Prefill/decode disaggregation
-(connector/handoff.py): a producer's P/D request keeps its stores (the worker waits, bounded, for buffer room) and
-its ``request_finished`` returns ``kv_transfer_params`` naming its blocks; a consumer given them waits on the
+(connector/planning/handoff.py): a producer's P/D request keeps its stores (the worker waits, bounded, for buffer
+room) and its ``request_finished`` returns ``kv_transfer_params`` naming its blocks; a consumer given them waits on the
 gateway, bounded by ``handoff_wait_ms``, for those blocks, then loads them (past the wait: what is there).
 """
 
@@ -41,16 +42,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from connector.client import BlockClient
-from connector.cost import CostModel, LoadOutcome
-from connector.handoff import expected, producer_params, wants_handoff
-from connector.layout import BackendLayout, layer_views
-from connector.pipeline import WORKER_GAUGES, WorkerPipeline
-from connector.plan import KeyScheme, SchedulerPlanner, StepPlan
-from connector.settings import ConnectorSettings
-from connector.transfer import BlockTransfer
-from connector.vllm_layout import check_layers, resolve_layout
-from connector.vllm_metrics import KVGatePromMetrics
+from connector.device.layout import BackendLayout, layer_views
+from connector.device.transfer import BlockTransfer
+from connector.http.client import BlockClient
+from connector.planning.cost import CostModel, LoadOutcome
+from connector.planning.handoff import expected, producer_params, wants_handoff
+from connector.planning.plan import KeyScheme, SchedulerPlanner, StepPlan
+from connector.vllm.layout import check_layers, resolve_layout
+from connector.vllm.metrics import KVGatePromMetrics
+from connector.vllm.settings import ConnectorSettings
+from connector.worker.pipeline import WORKER_GAUGES, WorkerPipeline
 from contract.keys import KVGroup, RunNaming, naming
 
 if TYPE_CHECKING:
@@ -88,7 +89,7 @@ class KVGateWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
 RANK_GAUGES = frozenset(WORKER_GAUGES)
 """The workers' gauges (host bytes held), sent per rank: ``{rank: value}``. vLLM calls ``aggregate`` both across
 the TP ranks of a step and across the steps of a logging interval, and cannot say which: merging by rank (a rank's
-newest value wins) is right for both, and the metric is their sum (``reduce``, connector/vllm_metrics.py)."""
+newest value wins) is right for both, and the metric is their sum (``reduce``, connector/vllm/metrics.py)."""
 
 GAUGES = frozenset({"bandwidth_mib_s", "prefill_tokens_s"}) | RANK_GAUGES
 """Of the stats below, the estimates: an interval keeps the latest (per rank for ``RANK_GAUGES``); every other key
@@ -97,9 +98,10 @@ is a count, summed (over steps and over ranks)."""
 
 @dataclass
 class KVGateStats(KVConnectorStats):  # type: ignore[misc]
-    """vLLM's KV transfer stats: the scheduler's cost-model decisions (connector/plan.py: ``SchedulerPlanner.report``)
-    and what each worker rank counted (connector/pipeline.py: ``WorkerPipeline.report``), in vLLM's periodic
-    "KV Transfer metrics" log and as Prometheus metrics. The two roles' keys are disjoint."""
+    """vLLM's KV transfer stats: the scheduler's cost-model decisions (connector/planning/plan.py:
+    ``SchedulerPlanner.report``) and what each worker rank counted (connector/worker/pipeline.py:
+    ``WorkerPipeline.report``), in vLLM's periodic "KV Transfer metrics" log and as Prometheus metrics. The two roles'
+    keys are disjoint."""
 
     def reset(self) -> None:
         self.data = dict[str, Any]()
@@ -230,7 +232,7 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        # parsed once: a misspelt key fails here, at start-up (connector/settings.py)
+        # parsed once: a misspelt key fails here, at start-up (connector/vllm/settings.py)
         self.settings = settings = ConnectorSettings.parse(self._kv_transfer_config.kv_connector_extra_config)
         self.shape = run_shape(vllm_config, kv_cache_config)
         self.naming = self.shape.naming(self.shape.rank)
@@ -386,7 +388,7 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVGatePromMetrics:
-        """The same stats as Prometheus metrics, ``vllm:kvgate_*`` (connector/vllm_metrics.py)."""
+        """The same stats as Prometheus metrics, ``vllm:kvgate_*`` (connector/vllm/metrics.py)."""
         return KVGatePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

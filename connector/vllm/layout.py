@@ -1,6 +1,6 @@
-"""The vLLM side of ``connector.layout``: which attention backend, spec, KV-cache layout setting and CPU ISA a run
-has, read from vLLM's own config and layers, never from tensor shapes. Imports vllm lazily (connector.vllm uses it).
-"""
+"""The vLLM side of ``connector.device.layout``: which attention backend, spec, KV-cache layout setting and CPU ISA a
+run has, read from vLLM's own config and layers, never from tensor shapes. Imports vllm lazily (connector.vllm uses
+it)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from connector.layout import BackendLayout, LayoutError, backend_layout
+from connector.device.layout import BackendLayout, LayoutError, backend_layout
 from contract.keys import KVGroup
 
 if TYPE_CHECKING:

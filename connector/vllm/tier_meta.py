@@ -1,8 +1,8 @@
-"""What the kvgate tier (connector/vllm_tier.py) says of each chunk it stores, for the gateway's KV events: the
+"""What the kvgate tier (connector/vllm/tier.py) says of each chunk it stores, for the gateway's KV events: the
 chunk's token ids and its parent's hash, taken from vLLM's own request, as vLLM's self-describing offloading events
 (vllm/distributed/kv_transfer/kv_connector/v1/offloading/events.py) take them.
 
-A secondary tier is never shown the request: ``KVGateOffloadingConnector`` (connector/vllm_offloading.py) announces
+A secondary tier is never shown the request: ``KVGateOffloadingConnector`` (connector/vllm/offloading.py) announces
 it in :data:`announced` while vLLM tells the tiers of a new request, and the tier keeps its token and hash lists
 in the request's ``ReqContext``. Under vLLM's own OffloadingConnector nothing is announced and chunks go without
 meta (their events stay valid, without token ids).

@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Self
 
-from connector.client import ClientConfig
-from connector.cost import CostSettings
+from connector.http.client import ClientConfig
+from connector.planning.cost import CostSettings
 from contract.wire import ALGORITHMS, CRC64NVME
 
 MIB = 1024 * 1024
@@ -136,7 +136,7 @@ class _ClientSettings(_Parsed):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ConnectorSettings(_ClientSettings):
-    """``kv_connector_extra_config`` of the standalone ``KVGateConnector`` (connector/vllm.py)."""
+    """``kv_connector_extra_config`` of the standalone ``KVGateConnector`` (connector/vllm/connector.py)."""
 
     WHERE: typing.ClassVar[str] = "kv_connector_extra_config"
 
@@ -200,7 +200,7 @@ class ConnectorSettings(_ClientSettings):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TierSettings(_ClientSettings):
-    """The tier's entry of ``secondary_tiers`` (connector/vllm_tier.py), without the keys vLLM keeps."""
+    """The tier's entry of ``secondary_tiers`` (connector/vllm/tier.py), without the keys vLLM keeps."""
 
     WHERE: typing.ClassVar[str] = "KVGateTier"
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
-from connector.cost import Verdict
+from connector.planning.cost import Verdict
 
 PREFIX = "vllm:kvgate_"
 

@@ -34,13 +34,13 @@ from collections import deque
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-from connector.client import BlockClient
-from connector.cost import LoadOutcome
-from connector.layout import BlockGeometry, rank_byte_range
-from connector.loader import BlockLoader
-from connector.plan import BlockJob
-from connector.streams import CopyEvent, StreamOps
-from connector.transfer import BlockTransfer, StagedBatch
+from connector.device.layout import BlockGeometry, rank_byte_range
+from connector.device.streams import CopyEvent, StreamOps
+from connector.device.transfer import BlockTransfer, StagedBatch
+from connector.http.client import BlockClient
+from connector.planning.cost import LoadOutcome
+from connector.planning.plan import BlockJob
+from connector.worker.loader import BlockLoader
 from contract.keys import RunNaming
 
 log = logging.getLogger("kvgate.connector.pipeline")
@@ -285,7 +285,11 @@ class WorkerPipeline:
         waits (up to ``keep_wait_s``) for an upload in flight to finish and give its room back, then tries again."""
         deadline = time.monotonic() + (self.keep_wait_s if keep else 0.0)
         while True:
-            fits = self.client.reserve(nbytes, count=False)
+            with self._lock:
+                uploads = list(self._uploads)
+            left = deadline - time.monotonic()
+            last = left <= 0 or not uploads  # nothing in flight would give room back: the client counts a drop
+            fits = self.client.reserve(nbytes, count=last)
             if fits:
                 try:
                     batch = transfer.gather(chunk, after=after)
@@ -295,12 +299,8 @@ class WorkerPipeline:
                 if batch is not None:
                     return batch
                 self.client.release(nbytes)
-            left = deadline - time.monotonic()
-            with self._lock:
-                uploads = list(self._uploads)
-            if left <= 0 or not uploads:  # nothing in flight would give room back
+            if last:
                 if not fits:
-                    self.client.stats.dropped_stores += 1  # as ``client.reserve`` counts it
                     self.stats.dropped_budget_blocks += len(chunk)
                 else:
                     self.stats.dropped_buffer_blocks += len(chunk)
@@ -330,9 +330,8 @@ class WorkerPipeline:
             self.client.release(nbytes)
         ok = 0
         for key, result in zip(keys, results, strict=True):
-            if isinstance(result, BaseException):
+            if isinstance(result, BaseException):  # counted by the client too (``stats.failed_stores``)
                 self.stats.failed_blocks += 1
-                self.client.stats.failed_stores += 1
                 log.warning("store failed key=%s: %s", key, result)
             elif result:
                 ok += 1

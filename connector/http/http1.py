@@ -10,7 +10,7 @@ at once, go through the transport, which copies only that rest), and parses the 
 the parser uvicorn uses). A GET's body is received straight into the engine's buffer
 (:class:`_Connection`), and never again once its request has failed.
 
-What it does not do is left to aiohttp, which :class:`connector.client.BlockClient` keeps for every other request:
+What it does not do is left to aiohttp (connector/http/transport.py: the peer that carries every other request):
 a base URL with a path or a query, a key with characters that would need quoting, proxies. Errors surface as
 :class:`ConnectionError` (the cause chained: a TLS failure stays visible to ``tls_failure``) and
 :class:`TimeoutError`, which the client's one retry loop handles as it handles aiohttp's. A connection that was
@@ -24,14 +24,14 @@ import asyncio
 import os
 import re
 import ssl
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from collections.abc import Mapping
+from typing import Any
 from urllib.parse import urlsplit
 
 import httptools
 from multidict import CIMultiDict
 
-Buffer = bytes | bytearray | memoryview
+from connector.http.transport import Call, Reply, Target
 
 _PLAIN_PATH = re.compile(r"/[A-Za-z0-9._~/=-]*")
 """Paths sent as they are: what a block key is made of (contract/keys.py), nothing that needs quoting."""
@@ -41,13 +41,6 @@ _SCRATCH_BYTES = 256 << 10
 """Each connection's receive buffer for answer heads and what comes with them (asyncio reads up to 256 KiB)."""
 
 
-class Answer(NamedTuple):
-    status: int
-    headers: CIMultiDict[str]
-    body: bytes | int
-    """The body's bytes; or, where it went to a caller's buffer, how many (-1: more than the buffer holds)."""
-
-
 class AnswerLost(ConnectionError):
     """The connection ended (or broke) before the whole answer arrived."""
 
@@ -55,11 +48,6 @@ class AnswerLost(ConnectionError):
         super().__init__(message)
         self.before_answer = before_answer
         """Not a byte of the answer had arrived."""
-
-
-Target = Callable[[int], memoryview | None]
-"""Where the body of an answer of a given status goes: a caller's buffer (then the answer's body is how many bytes
-arrived, -1 once they outgrow it), or None (collected as bytes)."""
 
 
 class _Connection(asyncio.BufferedProtocol):
@@ -78,7 +66,7 @@ class _Connection(asyncio.BufferedProtocol):
         """A view, never the bytearray: asyncio's TLS transport reads the rest of a record into ``buf[offset:]``,
         which of a bytearray is a copy (the bytes would be lost)."""
         self._parser = httptools.HttpResponseParser(self)
-        self._waiter: asyncio.Future[Answer] | None = None
+        self._waiter: asyncio.Future[Reply] | None = None
         self._target_for: Target | None = None
         self._headers: list[tuple[str, str]] = []
         self._body: list[bytes] = []
@@ -182,7 +170,7 @@ class _Connection(asyncio.BufferedProtocol):
 
     def send(
         self, head: bytes, body: memoryview, loop: asyncio.AbstractEventLoop, target_for: Target | None
-    ) -> asyncio.Future[Answer]:
+    ) -> asyncio.Future[Reply]:
         assert self.transport is not None and self._waiter is None
         self._parser = httptools.HttpResponseParser(self)  # a fresh one: the last body may have passed it by
         self._target_for = target_for
@@ -215,7 +203,7 @@ class _Connection(asyncio.BufferedProtocol):
     def _complete(self, body: bytes | int) -> None:
         waiter, self._waiter = self._waiter, None
         self._target = None
-        answer = Answer(self._parser.get_status_code(), CIMultiDict(self._headers), body)
+        answer = Reply(self._parser.get_status_code(), CIMultiDict(self._headers), body)
         if waiter is not None and not waiter.done():
             waiter.set_result(answer)
 
@@ -282,25 +270,22 @@ class LeanPool:
         """Whether ``path`` goes on the wire as it is (else the caller's other client quotes it)."""
         return _PLAIN_PATH.fullmatch(path) is not None
 
-    async def request(
-        self,
-        method: str,
-        path: str,
-        headers: dict[str, str],
-        body: Buffer = b"",
-        *,
-        target_for: Target | None = None,
-        timeout_s: float | None = None,
-    ) -> Answer:
-        """``method path`` with ``headers`` and ``body``; the answer, its body collected or received into the buffer
-        ``target_for`` names for its status. A PUT or a GET (an answer to a HEAD has a length and no body: not
-        parsed here). ConnectionError, TimeoutError."""
+    def carries(self, call: Call) -> bool:
+        """A block's PUT or GET: a raw body (or none), a path that goes on the wire as it is."""
+        return call.method in ("PUT", "GET") and call.json is None and self.sends_as_is(call.path)
+
+    async def send(self, call: Call) -> Reply:
+        """``call`` (one it ``carries``); the reply, its body collected or received into the buffer
+        ``call.target_for`` names for its status (a GET's answer without one is read whole, a PUT's up to a bound).
+        ConnectionError, TimeoutError."""
+        method = call.method
         assert method in ("PUT", "GET"), method
-        view = memoryview(body)
+        target_for = _read_whole if call.target_for is None and method == "GET" else call.target_for
+        view = memoryview(b"" if call.data is None else call.data)
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")  # bytes, whatever the buffer's items (a tensor's memory: floats, 2-D)
-        head = self._head(method, path, headers, view.nbytes)
-        timeout = self.request_timeout_s if timeout_s is None else timeout_s
+        head = self._head(method, call.path, call.headers, view.nbytes)
+        timeout = self.request_timeout_s if call.timeout_s is None else call.timeout_s
         loop = asyncio.get_running_loop()
         async with self._slots:
             deadline = loop.time() + timeout
@@ -346,7 +331,7 @@ class LeanPool:
             raise ConnectionError(f"cannot connect to {self.host}:{self.port}: {exc}") from exc
         return conn, False
 
-    def _head(self, method: str, path: str, headers: dict[str, str], size: int) -> bytes:
+    def _head(self, method: str, path: str, headers: Mapping[str, str], size: int) -> bytes:
         lines = [f"{method} {path} HTTP/1.1\r\n".encode("ascii"), self._host_line]
         for name, value in headers.items():
             if "\r" in value or "\n" in value:
@@ -355,10 +340,15 @@ class LeanPool:
         lines.append(b"Content-Length: %d\r\n\r\n" % size if size or method == "PUT" else b"\r\n")
         return b"".join(lines)
 
-    def close(self) -> None:
+    async def close(self) -> None:
         for conn in self._idle:
             conn.close()
         self._idle.clear()
+
+
+def _read_whole(status: int) -> None:
+    """A GET's answer, whatever its status, read whole as bytes (a PUT's is too, up to a bound: ``_MAX_ANSWER``)."""
+    return None
 
 
 def _expire(waiter: asyncio.Future[Any]) -> None:

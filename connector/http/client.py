@@ -1,9 +1,10 @@
 """BlockClient: kvgate's HTTP client, on ONE background event-loop thread, so vLLM's sync hooks never wait on I/O.
 
 Sync callers ``submit(coro)`` and get a ``concurrent.futures.Future``; the coroutines (``put``, ``get``,
-``lookup``, ...) run on the client's loop. The data path uses aiohttp: measured against a running kvgate
-(benchmarks/primitives/http_clients.py) it is 3-5x faster than httpx.AsyncClient on 2 MiB GETs and 4-12x on HEAD,
-and on par for PUT.
+``lookup``, ...) run on the client's loop. Each request goes as a ``Call`` to the first of two peer transports that
+carries it and comes back as a typed ``Reply`` (connector/http/transport.py): the lean HTTP/1.1 pool for a block's
+PUT and GET (connector/http/http1.py), aiohttp for the rest: aiohttp, rather than httpx.AsyncClient, for its
+speed on GETs and HEADs against a running kvgate (benchmarks/primitives/http_clients.py).
 
 - Bounded: a connection pool (``max_connections``), per-call timeouts, and ONE budget of bytes in flight shared by
   every way into vLLM: the connector's stores ``reserve`` (a store that does not fit is dropped and counted, never
@@ -32,40 +33,35 @@ import math
 import random
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 import aiohttp
 
-from connector import body
-from connector.budget import ByteBudget
-from connector.checksums import checksum_off_loop
-from connector.client_tls import check_tls, client_ssl_context, tls_failure
-from connector.client_types import ClientConfig as ClientConfig
-from connector.client_types import ClientStats as ClientStats
-from connector.client_types import LookupSlot as LookupSlot
-from connector.errors import ConnectorError as ConnectorError
-from connector.errors import GatewayRejected as GatewayRejected
-from connector.errors import GatewayTLSError as GatewayTLSError
-from connector.errors import GatewayUnavailable as GatewayUnavailable
+from connector.http import body
+from connector.http.budget import ByteBudget
+from connector.http.checksums import checksum_off_loop
+from connector.http.client_types import ClientConfig as ClientConfig
+from connector.http.client_types import ClientStats as ClientStats
+from connector.http.client_types import LookupSlot as LookupSlot
+from connector.http.errors import ConnectorError as ConnectorError
+from connector.http.errors import GatewayRejected as GatewayRejected
+from connector.http.errors import GatewayTLSError as GatewayTLSError
+from connector.http.errors import GatewayUnavailable as GatewayUnavailable
+from connector.http.tls import check_tls, client_ssl_context, tls_failure
+from connector.http.transport import Call, Reply, SessionTransport, Transport
 from contract import wire
 from contract.wire import BLOCK_META_HEADER, CHECKSUM_HEADER, PART_CHECKSUM_HEADER
 from contract.wire import retry_after_s as retry_after_s
 
 try:
-    from connector.http1 import LeanPool, Target
+    from connector.http.http1 import LeanPool
 except ImportError:  # no httptools in the engine's environment (vLLM's own server brings it): aiohttp for all
     LeanPool = None  # type: ignore[assignment, misc]
-    Target = Callable[[int], memoryview | None]  # type: ignore[misc]
 
 log = logging.getLogger("kvgate.connector.client")
 T = TypeVar("T")
 Buffer = bytes | bytearray | memoryview
-
-
-def _read_whole(status: int) -> None:
-    """A GET's answer, whatever its status, read whole as bytes (a PUT's is too, up to a bound: the lean pool's)."""
-    return None
 
 
 RETRY_STATUSES = frozenset({502, 503, 504})
@@ -85,12 +81,14 @@ class BlockClient:
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvgate-client", daemon=True)
         self._thread.start()
         self._lean: LeanPool | None = None
-        """Block PUTs go here (connector/http1.py), everything else to the aiohttp session."""
+        """Block PUTs and GETs go here when it carries them (connector/http/http1.py), everything else to aiohttp."""
+        self._transports: tuple[Transport, ...] = ()
+        """Asked in order; the last (aiohttp) carries every call."""
         try:
-            self._session: aiohttp.ClientSession = self.run(self._open(), timeout_s=10.0)
+            session = self.run(self._open(), timeout_s=10.0)
             if config.check_tls_on_start and config.base_url.lower().startswith("https://"):
                 self.run(
-                    check_tls(self._session, self.config.base_url),
+                    check_tls(session, self.config.base_url),
                     timeout_s=config.connect_timeout_s + config.request_timeout_s,
                 )
         except BaseException:
@@ -112,9 +110,12 @@ class BlockClient:
                 connect_timeout_s=cfg.connect_timeout_s,
                 request_timeout_s=cfg.request_timeout_s,
             )
-        return aiohttp.ClientSession(
+        session = aiohttp.ClientSession(
             base_url=cfg.base_url, connector=connector, timeout=timeout, raise_for_status=False
         )
+        aio = SessionTransport(session, connect_timeout_s=cfg.connect_timeout_s)
+        self._transports = (aio,) if self._lean is None else (self._lean, aio)
+        return session
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -133,10 +134,8 @@ class BlockClient:
             return
 
         async def shutdown() -> None:
-            if self._lean is not None:
-                self._lean.close()
-            if hasattr(self, "_session"):
-                await self._session.close()
+            for transport in self._transports:
+                await transport.close()
 
         try:
             self.run(shutdown(), timeout_s=10.0)
@@ -154,8 +153,9 @@ class BlockClient:
     # -- bytes in flight -------------------------------------------------------------------------------------
 
     def reserve(self, nbytes: int, *, count: bool = True) -> bool:
-        """Take ``nbytes`` of the in-flight budget; False when it does not fit (counted as a dropped store unless
-        ``count`` is False: a caller that will wait and try again counts the drop itself if it gives up)."""
+        """Take ``nbytes`` of the in-flight budget; False when it does not fit, counted as a dropped store
+        (``stats.dropped_stores``) unless ``count`` is False: a caller that will wait and try again passes True on
+        its last try, so a store it gives up is counted once, here."""
         if self.budget.reserve(nbytes):
             return True
         if count:
@@ -193,38 +193,17 @@ class BlockClient:
 
     # -- requests --------------------------------------------------------------------------------------------
 
-    async def _request(
-        self,
-        method: str,
-        path: str,
-        *,
-        timeout_s: float | None = None,
-        read: Callable[[aiohttp.ClientResponse], Awaitable[Any]] | None = None,
-        plain: bool = False,
-        target_for: Target | None = None,
-        **kw: Any,
-    ) -> tuple[int, Any]:
-        """One request with retries; returns (status, (headers, body)).
-
-        ``read``: reads the body of an answer that is not retried (default: all of it, as bytes). ``plain``: a block
-        PUT or GET (``headers``, and a ``data`` buffer to send) that the lean pool sends when it can
-        (connector/http1.py; its answer's headers are a CIMultiDict, as aiohttp's); ``target_for`` then says where
-        the body of an answer goes, as ``read`` does for aiohttp (None: read whole, as bytes). Retried:
-        connection errors, timeouts and 502/503/504; every other status is returned as it is. Raises
-        GatewayUnavailable (and opens the circuit) when the retries run out, or at once while the circuit is open.
-        """
+    async def _request(self, call: Call) -> Reply:
+        """``call`` with retries, on the first transport that carries it (connector/http/transport.py): the lean pool
+        for a block's PUT or GET, aiohttp for the rest. Retried: connection errors, timeouts and 502/503/504; every
+        other status is returned as it is. Raises GatewayUnavailable (and opens the circuit) when the retries run
+        out, or at once while the circuit is open; GatewayTLSError at once on a TLS failure."""
         if self.gateway_down:
             raise GatewayUnavailable(f"gateway marked down for {self._down_until - time.monotonic():.2f}s more")
-        lean = self._lean if plain and self._lean is not None and self._lean.sends_as_is(path) else None
-        if plain and lean is None and "data" in kw:
-            kw["data"] = body.BlockPayload(kw["data"])
-        # No per-call timeout: leave the argument out, so the session's timeouts apply (None would disable them).
-        if timeout_s is not None and lean is None:
-            kw["timeout"] = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.config.connect_timeout_s)
+        transport = next(t for t in self._transports if t.carries(call))
         delay = self.config.backoff_s
         last = ""
         wait: float | None = None
-        headers: Mapping[str, str]
         for attempt in range(self.config.retries + 1):
             if attempt:
                 self.stats.retries += 1
@@ -232,41 +211,24 @@ class BlockClient:
                 delay *= 2
             wait = None
             try:
-                if lean is not None:
-                    status, headers, got = await lean.request(
-                        method,
-                        path,
-                        kw.get("headers", {}),
-                        kw.get("data", b""),
-                        target_for=_read_whole if target_for is None and method == "GET" else target_for,
-                        timeout_s=timeout_s,
-                    )
-                else:
-                    async with self._session.request(method, path, **kw) as resp:
-                        status, headers = resp.status, resp.headers
-                        if status in RETRY_STATUSES:
-                            got = await resp.read() if method != "HEAD" else b""
-                        elif read is not None:
-                            got = await read(resp)
-                        else:
-                            got = await body.read_all(resp) if method != "HEAD" else b""
-                if status in RETRY_STATUSES:
-                    last = f"{status} {bytes(got)[:200]!r}"
-                    asked = wire.retry_after_s(headers.get("Retry-After"))
+                reply = await transport.send(call)
+                if reply.status in RETRY_STATUSES:
+                    last = f"{reply.status} {bytes(reply.body)[:200]!r}"
+                    asked = wire.retry_after_s(reply.headers.get("Retry-After"))
                     if asked is not None:
                         wait = min(asked, self.config.max_retry_after_s)
                     continue
-                return status, (headers, got)
+                return reply
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError) as exc:
                 if (tls := tls_failure(exc)) is not None:  # configuration: no retry, and a pause as for an outage
                     log.error("TLS to the gateway %s failed: %s", self.config.base_url, tls)
                     self._down_until = time.monotonic() + self.config.down_cooldown_s
-                    raise GatewayTLSError(f"{method} {path[:120]}: TLS failed: {tls}") from exc
+                    raise GatewayTLSError(f"{call.method} {call.path[:120]}: TLS failed: {tls}") from exc
                 last = f"{type(exc).__name__}: {exc}"
             except TimeoutError as exc:
                 last = f"timeout: {exc}"
         self._open_circuit(last[:200])  # not answering even after the retries: fail fast for a while
-        raise GatewayUnavailable(f"{method} {path[:120]} failed: {last}")
+        raise GatewayUnavailable(f"{call.method} {call.path[:120]} failed: {last}")
 
     async def put(
         self,
@@ -280,9 +242,25 @@ class BlockClient:
         """Store ``data`` under ``key`` (or the part ``[start, end)`` of ``total`` bytes); True once the gateway has it.
 
         False when the gateway is full (507): the store is dropped and counted in ``stats.full_stores``, the
-        gateway is not down. The checksum is computed here, after the caller's copy fence, and sent for the gateway
-        to verify. ``meta``: the block's ``X-KVGate-Block-Meta`` (``wire.format_block_meta``), for the KV events.
+        gateway is not down; a store that raises is counted in ``stats.failed_stores``. The checksum is computed
+        here, after the caller's copy fence, and sent for the gateway to verify. ``meta``: the block's
+        ``X-KVGate-Block-Meta`` (``wire.format_block_meta``), for the KV events.
         """
+        try:
+            return await self._put(key, data, content_range=content_range, create_only=create_only, meta=meta)
+        except Exception:
+            self.stats.failed_stores += 1
+            raise
+
+    async def _put(
+        self,
+        key: str,
+        data: Buffer,
+        *,
+        content_range: tuple[int, int, int] | None,
+        create_only: bool,
+        meta: str | None,
+    ) -> bool:
         checksum = await checksum_off_loop(data, self.config.checksum)
         headers = {"Content-Type": "application/octet-stream"}
         if content_range is None:
@@ -295,15 +273,15 @@ class BlockClient:
             headers["If-None-Match"] = "*"
         if meta is not None:
             headers[BLOCK_META_HEADER] = meta
-        status, (_, answer) = await self._request("PUT", f"/v1/blocks/{key}", data=data, headers=headers, plain=True)
-        if status == 412:
+        reply = await self._request(Call("PUT", f"/v1/blocks/{key}", headers, data=data))
+        if reply.status == 412:
             return True
-        if status == FULL_STATUS:
+        if reply.status == FULL_STATUS:
             self.stats.full_stores += 1
             log.debug("gateway full: store dropped key=%s", key)
             return False
-        if status >= 300:
-            raise GatewayRejected(status, answer[:300].decode(errors="replace"))
+        if reply.status >= 300:
+            raise GatewayRejected(reply.status, reply.text())
         self.stats.puts += 1
         self.stats.put_bytes += len(data)
         return True
@@ -319,15 +297,15 @@ class BlockClient:
         ``X-KVGate-Range-SHA256``); a 200 answer to a range request as the whole object, then sliced. An answer with
         nothing to check against is refused.
         """
-        status, (headers, got) = await self._request(
-            "GET", f"/v1/blocks/{key}", headers=body.range_header(byte_range), plain=True
-        )
-        if status == 404:
+        reply = await self._request(Call("GET", f"/v1/blocks/{key}", body.range_header(byte_range)))
+        if reply.status == 404:
             self.stats.misses += 1
             return None
-        if status not in (200, 206):
-            raise GatewayRejected(status, got[:300].decode(errors="replace"))
-        view = await self._checked(key, status, headers, memoryview(got), byte_range, expected_digest)
+        if reply.status not in (200, 206):
+            raise GatewayRejected(reply.status, reply.text())
+        got = reply.body
+        assert isinstance(got, bytes)  # no target: read whole
+        view = await self._checked(key, reply, memoryview(got), byte_range, expected_digest)
         if view is None:
             return None
         return got if view.nbytes == len(got) else bytes(view)
@@ -346,32 +324,24 @@ class BlockClient:
         checksum mismatch (``into`` then holds bytes that must not be used)."""
         size = into.nbytes
 
-        async def read(resp: aiohttp.ClientResponse) -> bytes | int:
-            if resp.status == 206 or (resp.status == 200 and byte_range is None):
-                return await body.read_into(resp, into)
-            return await resp.read()  # an error's text, or the whole object from a server that ignored Range
-
         def target_for(status: int) -> memoryview | None:
+            # else an error's text, or the whole object from a server that ignored Range: read whole
             return into if status == 206 or (status == 200 and byte_range is None) else None
 
-        status, (headers, got) = await self._request(
-            "GET",
-            f"/v1/blocks/{key}",
-            headers=body.range_header(byte_range),
-            read=read,
-            plain=True,
-            target_for=target_for,
+        reply = await self._request(
+            Call("GET", f"/v1/blocks/{key}", body.range_header(byte_range), target_for=target_for)
         )
-        if status == 404:
+        if reply.status == 404:
             self.stats.misses += 1
             return False
-        if status not in (200, 206):
-            raise GatewayRejected(status, bytes(got)[:300].decode(errors="replace"))
+        if reply.status not in (200, 206):
+            raise GatewayRejected(reply.status, reply.text())
+        got = reply.body
         if isinstance(got, int) and got != size:
             self._corrupt(key, f"a body of {'more than ' if got < 0 else ''}{max(got, size)} bytes, want {size}")
             return False
         received = into if isinstance(got, int) else memoryview(got)
-        view = await self._checked(key, status, headers, received, byte_range, expected_digest)
+        view = await self._checked(key, reply, received, byte_range, expected_digest)
         if view is None:
             return False
         if view.nbytes != size:
@@ -384,15 +354,14 @@ class BlockClient:
     async def _checked(
         self,
         key: str,
-        status: int,
-        headers: Any,
+        reply: Reply,
         received: memoryview,
         byte_range: tuple[int, int] | None,
         expected_digest: str | None,
     ) -> memoryview | None:
         verdict = await body.checked(
-            status=status,
-            headers=headers,
+            status=reply.status,
+            headers=reply.headers,
             body=received,
             byte_range=byte_range,
             expected_digest=expected_digest,
@@ -410,12 +379,12 @@ class BlockClient:
         log.error("discarding block key=%s: %s", key, why)
 
     async def head(self, key: str) -> int | None:
-        status, (headers, _) = await self._request("HEAD", f"/v1/blocks/{key}")
-        if status == 404:
+        reply = await self._request(Call("HEAD", f"/v1/blocks/{key}"))
+        if reply.status == 404:
             return None
-        if status != 200:
-            raise GatewayRejected(status, "HEAD failed")
-        return int(headers.get("Content-Length", "0"))
+        if reply.status != 200:
+            raise GatewayRejected(reply.status, "HEAD failed")
+        return int(reply.headers.get("Content-Length", "0"))
 
     async def lookup(
         self, keys: Sequence[str], *, wait_s: float = 0.0, min_prefix: int | None = None
@@ -429,13 +398,13 @@ class BlockClient:
             doc["wait_ms"] = math.ceil(wait_s * 1000)
             if min_prefix is not None:
                 doc["min_prefix"] = min_prefix
-        status, (_, body) = await self._request(
-            "POST", "/v1/lookup", json=doc, timeout_s=self.config.lookup_timeout_s + max(0.0, wait_s)
+        reply = await self._request(
+            Call("POST", "/v1/lookup", json=doc, timeout_s=self.config.lookup_timeout_s + max(0.0, wait_s))
         )
-        if status != 200:
-            raise GatewayRejected(status, body[:300].decode(errors="replace"))
-
-        answer = json.loads(body)
+        if reply.status != 200:
+            raise GatewayRejected(reply.status, reply.text())
+        assert isinstance(reply.body, bytes)  # no target: read whole
+        answer = json.loads(reply.body)
         slots = [
             LookupSlot(key=s["key"], present=s["present"], size=s.get("size"), digest=wire.unquote_etag(s.get("etag")))
             for s in answer["blocks"]
@@ -443,6 +412,6 @@ class BlockClient:
         return int(answer["prefix"]), slots
 
     async def put_config(self, namespace: str, fields: dict[str, Any]) -> None:
-        status, (_, body) = await self._request("PUT", f"/v1/namespaces/{namespace}/config", json=fields)
-        if status >= 300:
-            raise GatewayRejected(status, body[:300].decode(errors="replace"))
+        reply = await self._request(Call("PUT", f"/v1/namespaces/{namespace}/config", json=fields))
+        if reply.status >= 300:
+            raise GatewayRejected(reply.status, reply.text())

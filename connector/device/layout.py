@@ -8,18 +8,18 @@ One block object (format :data:`contract.keys.CANONICAL_FORMAT`) is, head-outerm
 
 ``kv_head`` counts the model's *total* KV heads. Heads are the outermost axis, so the heads a TP rank holds
 (``heads_of``) are one contiguous byte range of the object (``rank_byte_range``). A rank's local KV tensors hold
-exactly its heads, so the canonical bytes of *all its local heads* (what ``connector.transfer`` gathers) are
+exactly its heads, so the canonical bytes of *all its local heads* (what ``connector.device.transfer`` gathers) are
 that range, byte for byte, and the concatenation of the ranks' parts in rank order is the TP=1 object.
 
 Runs that are not parallel-agnostic store each rank's whole local block in the same ordering, over its local
 heads only: ``local_geometry(geometry, tp_size=...)`` describes that object.
 
 ``KVLayout`` names the dimension order of vLLM's paged per-layer KV tensors, and the permutations between them
-and the canonical order that ``connector.transfer`` applies on the device.
+and the canonical order that ``connector.device.transfer`` applies on the device.
 
 ``BackendLayout`` says how an attention backend really keeps K and V in vLLM's pages (``backend_layout`` derives it
 from vLLM's declarations, never from tensor shapes), whether kvgate certifies it for the canonical format, and
-``layer_views`` gives ``connector.transfer`` the views it copies from. This module never imports torch; the views
+``layer_views`` gives ``connector.device.transfer`` the views it copies from. This module never imports torch; the views
 are built with the tensors' own methods.
 """
 
@@ -266,7 +266,8 @@ def backend_layout(
 def layer_views(
     kv: torch.Tensor, *, layout: BackendLayout, num_kv_heads: int, block_size: int, head_size: int
 ) -> tuple[list[torch.Tensor], KVLayout]:
-    """The ``(2, blocks, heads, tokens, head_dim)`` views ``connector.transfer`` copies, for one layer's page tensor.
+    """The ``(2, blocks, heads, tokens, head_dim)`` views ``connector.device.transfer`` copies, for one layer's page
+    tensor.
 
     ``kv`` is the logical ``[block, head, token, content]`` view vLLM registers. Heads, tokens and sizes come
     from vLLM's spec, not from the tensor's shape, so ``num_kv_heads == block_size`` is not ambiguous. A

@@ -77,6 +77,15 @@ def delta(url: str, before: Counter[str]) -> dict[str, int]:
     return {k: now[k] - before[k] for k in now if now[k] != before[k] and "/metrics" not in k}
 
 
+def config_landed(url: str, before: Counter[str], *, timeout_s: float = 30.0) -> None:
+    """Wait until the gateway has answered a namespace config's PUT since ``before``."""
+    deadline = time.monotonic() + timeout_s
+    while not any(k.startswith("PUT /v1/namespaces") for k in delta(url, before)):
+        if time.monotonic() > deadline:
+            raise TimeoutError("the producer's namespace config never reached the gateway")
+        time.sleep(0.02)
+
+
 def store(worker: KVGateConnector, meta: Any) -> None:
     """P's worker: the step's stores, to the end of their uploads."""
     worker.bind_connector_metadata(meta)
@@ -143,7 +152,9 @@ def check(url: str, model_dir: str, which: str) -> dict[str, Any]:
     p_sched, p_worker = pair(url, model_dir, "kv_producer", {})
     d_sched, d_worker = pair(url, model_dir, "kv_consumer", {"handoff_wait_ms": 5000, "lookup_wait_ms": 200})
     src, dst = kv_tensors(1), kv_tensors(2)
+    before = counts(url)
     p_worker.register_kv_caches(src)
+    config_landed(url, before)  # P's config write goes in the background: not to be counted as D's
     before = counts(url)
     d_worker.register_kv_caches(dst)
     out: dict[str, Any] = {"d_register": delta(url, before)}

@@ -14,6 +14,16 @@ from tests.gateway import Gateway
 
 pytest_plugins = ["tests.services"]  # session-wide moto S3 and PostgreSQL servers, started once on first use
 
+QUICK = os.environ.get("KVGATE_QUICK") == "1"
+"""The quick loop (scripts/check sets ``KVGATE_QUICK=1``): property tests run a fifth of their examples. The whole
+suite (the README's test command, CI) runs every example."""
+
+
+def examples(n: int) -> int:
+    """A property test's ``max_examples``: ``n``, or a fifth of it (at least 50) in the quick loop."""
+    return max(50, n // 5) if QUICK else n
+
+
 WARNINGS_ARE_ERRORS_IN = frozenset({"unit", "inprocess"})
 """The folders of tests/ that run clean with warnings as errors: each of their tests runs under "error", then
 pyproject.toml's named exceptions. A folder joins once it has been run whole that way (its services up)."""

@@ -29,6 +29,7 @@ from contract.keys import (
     run_fields,
     split_offload_key,
 )
+from tests.conftest import examples
 
 
 def independent_digest(fields: dict[str, object]) -> str:
@@ -282,7 +283,7 @@ def _near_paths(draw: st.DrawFn, lengths: tuple[int, ...] = (0, 2, 14, 15, 16, 1
     return f"{f['ns']}_r{f['rank']}/{d1}/{d2}_g{f['group']}/{digest}{f['ext']}"
 
 
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=examples(1500), deadline=None)
 @given(st.one_of(_valid_paths(), _near_paths(), st.lists(_pieces, max_size=12).map("".join)))
 def test_parser_agrees_with_the_one_regex_grammar(path: str) -> None:
     expected = _reference(path)
@@ -307,7 +308,7 @@ def test_a_cached_head_does_not_admit_a_bad_tail() -> None:
 _any_path = st.one_of(_valid_paths(), _near_paths(), st.lists(_pieces, max_size=12).map("".join))
 
 
-@settings(max_examples=800, deadline=None)
+@settings(max_examples=examples(800), deadline=None)
 @given(st.lists(st.one_of(_valid_paths(), _valid_paths(), _any_path), max_size=6))
 def test_batch_check_accepts_exactly_what_the_parser_accepts(paths: list[str]) -> None:
     def parses(p: str) -> bool:
@@ -346,7 +347,7 @@ def _sha256_paths() -> st.SearchStrategy[str]:
     )
 
 
-@settings(max_examples=800, deadline=None)
+@settings(max_examples=examples(800), deadline=None)
 @given(st.lists(st.one_of(_sha256_paths(), _near_paths(lengths=(62, 63, 64, 65, 66))), min_size=1, max_size=6))
 def test_the_sha256_batch_regex_admits_only_block_paths(paths: list[str]) -> None:
     """check_block_paths' one-regex path (sha256 hashes: no per-key comparisons) accepts a batch only if the parser

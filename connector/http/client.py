@@ -213,7 +213,7 @@ class BlockClient:
             try:
                 reply = await transport.send(call)
                 if reply.status in RETRY_STATUSES:
-                    last = f"{reply.status} {bytes(reply.body)[:200]!r}"
+                    last = f"{reply.status} {reply.text(200)!r}"
                     asked = wire.retry_after_s(reply.headers.get("Retry-After"))
                     if asked is not None:
                         wait = min(asked, self.config.max_retry_after_s)

@@ -37,7 +37,6 @@ PUT_HEADERS: dict[str, str] = {
 }
 """Every request header the PUT route reads (its name in lower case) and the parameter of :func:`read_put` that
 takes it."""
-PUT_HEADERS_READ = frozenset(PUT_HEADERS)
 PART_HEADERS = frozenset({"content-range", PART_CHECKSUM_HEADER.lower(), PART_DIGEST_HEADER.lower()})
 """The headers of a part's PUT (the PUT lane leaves such a PUT to the stack)."""
 

@@ -73,8 +73,9 @@ def _words(layers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 def one_copy_thread() -> Iterator[None]:
     """CPU tensors: copy on the calling thread alone. A block's layers are many small copies, each one of torch's
     parallel regions; with the cores shared (an engine, the client's loop, other processes) every region waits for
-    its slowest thread to be scheduled: 0.3x of a raw PUT with one other busy process, 1.1x on one thread
-    (``python -m benchmarks.connector.pipeline --busy 1``). The caller's setting is restored after."""
+    its slowest thread to be scheduled, and a gather falls far behind a raw PUT with one other busy process, where on
+    one thread it keeps up (``python -m benchmarks.connector.pipeline --busy 1``; docs/benchmarks.md). The caller's
+    setting is restored after."""
     threads = torch.get_num_threads()
     if threads == 1 or not inspect.isbuiltin(torch.set_num_threads):
         # vLLM's CPU worker binds its OpenMP threads to cores and replaces torch.set_num_threads (a builtin) with a

@@ -1,11 +1,10 @@
-"""The connector's checksums: CRC64NVME by default (``awscrt``, a wheel: 12.6 GB/s on one core here for 2 MiB
-buffers, against 1.4-1.7 GB/s for hashlib's sha256), sha256 for a deployment that asks for a cryptographic digest
-(``checksum``).
+"""The connector's checksums: CRC64NVME by default (``awscrt``, a wheel, several times hashlib's sha256 per core),
+sha256 for a deployment that asks for a cryptographic digest (``checksum``).
 
 The grammar (``X-KVGate-Checksum: crc64nvme=<base64>``, the ETag's token) is contract/wire.py's; this module only
-computes. A body is checked on the thread that received it unless it is large: awscrt's CRC of 8 MiB takes about
-0.7 ms, not much more than a hop to a worker thread and back; sha256 of more than 256 KiB goes to one (hashlib
-releases the GIL).
+computes. A body is checked on the thread that received it unless it is large: awscrt's CRC of 8 MiB costs not much
+more than a hop to a worker thread and back; sha256 of more than 256 KiB goes to one (hashlib releases the GIL).
+Figures: docs/benchmarks.md, "Figures behind the code".
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """A lean HTTP/1.1 client for the requests the connector makes most: a block's PUT and GET.
 
-Through aiohttp a PUT costs the inference node ~0.25 ms of CPU besides its body (the URL joined and parsed by
-yarl, the request and response objects, their timers, the payload writer): a quarter of a 2 MiB block's whole
-store, most of a 64 KiB one's. The answer to a PUT is a status, a few header lines and at most a short error text,
-so none of that is needed: this pool keeps keep-alive connections as plain asyncio protocols, writes the request's
-head as one bytes object and the body as the caller's buffer, both in one ``writev`` on a plain connection (one
-system call and one segment where there were two, the body not copied; TLS, and whatever the socket does not take
-at once, go through the transport, which copies only that rest), and parses the answer with httptools (C, llhttp:
-the parser uvicorn uses). A GET's body is received straight into the engine's buffer
-(:class:`_Connection`), and never again once its request has failed.
+Through aiohttp a PUT costs the inference node CPU besides its body (the URL joined and parsed by yarl, the request and
+response objects, their timers, the payload writer): a large share of a 2 MiB block's whole store, most of a 64 KiB
+one's (docs/benchmarks.md, "Figures behind the code"). The answer to a PUT is a status, a few header lines and at most a
+short error text, so none of that is needed: this pool keeps keep-alive connections as plain asyncio protocols, writes
+the request's head as one bytes object and the body as the caller's buffer, both in one ``writev`` on a plain connection
+(one system call and one segment where there were two, the body not copied; TLS, and whatever the socket does not take
+at once, go through the transport, which copies only that rest), and parses the answer with httptools (C, llhttp: the
+parser uvicorn uses). A GET's body is received straight into the engine's buffer (:class:`_Connection`), and never again
+once its request has failed.
 
 What it does not do is left to aiohttp (connector/http/transport.py: the peer that carries every other request):
 a base URL with a path or a query, a key with characters that would need quoting, proxies. Errors surface as

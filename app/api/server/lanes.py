@@ -7,12 +7,12 @@ only what it can answer completely and as the stack would; everything else goes 
 
 HEAD of a cached block, answered inside the HTTP protocol: no ASGI task, no middleware chain, no Response object.
 
-``HEAD /v1/blocks/{path}`` is the request a connector makes for every block it might load and a router for every
-prefix it scores; the answer is a few header lines from the metadata cache. Through the ASGI stack it cost ~3x
-nginx's CPU (``benchmarks.gateway.cost``), most of it the stack itself: uvicorn's task and cycle per request,
-the middlewares' send wrappers, Starlette's Request and Response (``benchmarks.primitives.http_floor``: a bare ASGI
-app on the same server already costs 1.5x nginx per HEAD). :func:`with_lanes` answers it where the request head has just
-been parsed, synchronously, when it can answer completely:
+``HEAD /v1/blocks/{path}`` is the request a connector makes for every block it might load and a router for every prefix
+it scores; the answer is a few header lines from the metadata cache. Through the ASGI stack it cost several times
+nginx's CPU (``benchmarks.gateway.cost``), most of it the stack itself: uvicorn's task and cycle per request, the
+middlewares' send wrappers, Starlette's Request and Response (``benchmarks.primitives.http_floor``: a bare ASGI app on
+the same server already costs more than nginx per HEAD; figures: docs/benchmarks.md). :func:`with_lanes` answers it
+where the request head has just been parsed, synchronously, when it can answer completely:
 
 - a ``HEAD`` of ``/v1/blocks/<key>``, no query, no body, no ``Expect``, no upgrade, no root path configured;
 - no earlier request of the connection still being answered (pipelining keeps its order), under uvicorn's

@@ -54,8 +54,8 @@ _STACK_ONLY = frozenset({b"transfer-encoding", *(name.encode() for name in PART_
 MAX_BODY_BYTES = 4 * 1024 * 1024
 """The largest body the lane collects: a Llama-8B-sized block of 16 tokens at TP=1 is 2 MiB, a rank's share at TP
 2-8 256 KiB-1 MiB. Larger ones stream through the stack, whose reads the store's writes pace (flow control). At
-2 MiB the lane costs 0.80x the stack's server CPU per PUT
-(``benchmarks.gateway.cost --ops put --sizes 2097152 --base``)."""
+2 MiB the lane costs less server CPU per PUT than the stack (``benchmarks.gateway.cost --ops put --sizes 2097152
+--base``; docs/benchmarks.md, "Figures behind the code")."""
 HELD_BYTES = 256 * 1024 * 1024
 """The most body bytes the lane holds at once, over all its PUTs (collecting or being stored): past it a PUT goes to
 the stack, which reads as the store writes. Without it the bound would be ``max_uploads_in_flight`` (256) times

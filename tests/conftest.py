@@ -24,7 +24,7 @@ def examples(n: int) -> int:
     return max(50, n // 5) if QUICK else n
 
 
-WARNINGS_ARE_ERRORS_IN = frozenset({"unit", "inprocess"})
+WARNINGS_ARE_ERRORS_IN = frozenset({"unit", "inprocess", "examples"})
 """The folders of tests/ that run clean with warnings as errors: each of their tests runs under "error", then
 pyproject.toml's named exceptions. A folder joins once it has been run whole that way (its services up)."""
 

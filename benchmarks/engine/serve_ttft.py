@@ -53,18 +53,33 @@ class Server(LoopbackProcess):
 
     name = "vllm serve"
 
-    def __init__(self, *, python: str, model: Path, work: Path, label: str, url: str | None, max_len: int) -> None:
+    def __init__(
+        self,
+        *,
+        python: str,
+        model: Path,
+        work: Path,
+        label: str,
+        url: str | None,
+        max_len: int,
+        role: str = "kv_both",
+        extra: dict[str, object] | None = None,
+        tp: int = 1,
+    ) -> None:
         super().__init__(port=None, log_path_for=lambda p: work / f"serve-{label}-{p}.log")
         self.python, self.model, self.url_gw, self.max_len = python, model, url, max_len
+        self.role, self.extra, self.tp = role, dict(extra or {}), tp
 
     def start(self) -> Server:
         argv = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model)]
         argv += ["--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager", "--block-size", "32"]
         argv += ["--dtype", "float32", "--max-model-len", str(self.max_len), "--seed", "0"]
+        if self.tp > 1:
+            argv += ["--tensor-parallel-size", str(self.tp), "--distributed-executor-backend", "mp"]
         if self.url_gw is not None:
-            extra = {"url": self.url_gw, "timeout_s": 10, "retries": 1}
+            extra = {"url": self.url_gw, "timeout_s": 10, "retries": 1, **self.extra}
             kv: dict[str, object] = {"kv_connector": "KVGateConnector", "kv_connector_module_path": "connector.vllm"}
-            kv |= {"kv_role": "kv_both", "kv_connector_extra_config": extra, "kv_load_failure_policy": "recompute"}
+            kv |= {"kv_role": self.role, "kv_connector_extra_config": extra, "kv_load_failure_policy": "recompute"}
             argv += ["--kv-transfer-config", json.dumps(kv)]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])

@@ -267,6 +267,7 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 cost=CostModel(settings.cost_settings()),
                 block_bytes=self.shape.block_bytes * max(1, len(self.shape.groups)),
                 lookup_deadline_s=settings.lookup_deadline_ms / 1000,
+                prefetch_enabled=settings.prefetch_budget_mib > 0,
             )
 
     @property
@@ -274,6 +275,17 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return False  # a best-effort cache: a dropped store is a future miss
 
     # -- scheduler side ------------------------------------------------------------------------------------
+
+    def on_new_request(self, request: Request) -> None:
+        """Fetch at arrival (connector/worker/prefetch.py): the lookup starts now, not when the scheduler reaches
+        the request; a P/D request (``kv_transfer_params``) is looked up as before."""
+        if self.planner is not None and not request.kv_transfer_params:
+            self.planner.arrived(
+                req_id=request.request_id,
+                block_hashes=request.block_hashes,
+                num_tokens=request.num_tokens,
+                token_ids=request.all_token_ids,
+            )
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.planner is None or request.request_id in self._recompute:
@@ -447,6 +459,7 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             tp_size=self.shape.tp_size,
             tp_rank=self.shape.rank % self.shape.tp_size,
             keep_wait_s=self.settings.handoff_store_wait_ms / 1000,
+            prefetch_budget_bytes=self.settings.prefetch_budget_mib * 1024 * 1024,
         )
         if (
             self.shape.rank == 0 and self.produces
@@ -465,6 +478,7 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if plan is None or self.pipeline is None:
             return
         self._loading.update(job.req_id for job in plan.loads)
+        self.pipeline.start_prefetches(plan.prefetches, drops=plan.drops)
         self.pipeline.start_loads(plan.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:

@@ -14,8 +14,9 @@ scheduler in ``KVGateWorkerMetadata`` and its decisions go out in vLLM's KV tran
 Prometheus metrics (connector/vllm/metrics.py, docs/connector-metrics.md). A step with work never waits on the network.
 A step with nothing scheduled waits, bounded, for a lookup (``build_connector_meta``) or a load (``get_finished``) in
 flight instead of returning at once: the engine would step again at once, thousands of times a second, holding the
-GIL and a core that the loads need. Stores are best effort: a block that does not fit the bounded buffers is dropped
-and counted.
+GIL and a core that the loads need. With ``prefetch_budget_mib``, ``on_new_request`` starts the lookup and the
+workers read the hit into host memory before the request is admitted (connector/worker/prefetch.py). Stores are
+best effort: a block that does not fit the bounded buffers is dropped and counted.
 
 Roles (``kv_role``): a ``kv_producer`` stores and never looks up or loads; a ``kv_consumer`` looks up and loads
 and never stores (nor writes the namespace's config); ``kv_both`` does both. Prefill/decode disaggregation

@@ -10,7 +10,8 @@ The first block that misses, fails or is corrupt ends the load: the blocks befor
 block are reported to vLLM, which recomputes them. So does the load's deadline (``BlockJob.deadline_s``, from the
 cost model): when it passes, the GETs in flight are cancelled (their connections closed), the blocks read whole by
 then are scattered, and the first block that was not read ends the load. Parallel-agnostic runs GET this rank's
-byte range of each canonical object (``ranges[g]``); others GET the rank's whole object.
+byte range of each canonical object (``ranges[g]``); others GET the rank's whole object. A block fetched at the
+request's arrival (connector/worker/prefetch.py) is copied from its host buffer instead of read from the network.
 """
 
 from __future__ import annotations

@@ -92,6 +92,10 @@ class _Request:
     """The prompt's tokens at arrival (``arrived``): a prefetch leaves the last one to compute."""
     prefetched: bool = False
     """A prefetch was sent for it and no load or drop has taken it yet."""
+    arrival: bool = False
+    """Its lookup was sent at arrival (``arrived``) and ``matched_tokens`` has not read it yet."""
+    asked: int = 0
+    """Blocks its lookup asked for."""
 
     def answered(self, _future: object) -> None:
         self.lookup_answered = time.monotonic()
@@ -271,6 +275,12 @@ class SchedulerPlanner:
         if self.cost is not None and req.lookup_answered is not None:
             self.cost.observe_lookup(seconds=max(0.0, req.lookup_answered - req.lookup_sent))
             req.lookup_answered = None  # counted once
+        if req.arrival:
+            req.arrival = False
+            if prefix < req.asked * self.keys.keys_per_block and self._look_up(req, expect):
+                # not all of it at arrival: blocks stored since (by a request ahead of it) may be there now, so it
+                # is looked up again, as it would have been without the arrival's lookup
+                return None
         req.present = prefix // self.keys.keys_per_block
         req.stored = max(req.stored, req.present)
         if not self.load_enabled:
@@ -293,7 +303,7 @@ class SchedulerPlanner:
         want = None
         if expect is not None and self.load_enabled:
             req.wait_s, want = expect.wait_s, min(expect.blocks, len(hashes)) * self.keys.keys_per_block
-        req.lookup_sent = time.monotonic()
+        req.lookup_sent, req.asked = time.monotonic(), len(hashes)
         lookup = self.client.lookup(self.keys.keys(hashes), wait_s=req.wait_s, min_prefix=want)
         req.lookup = self.client.submit(lookup)
         req.lookup.add_done_callback(req.answered)
@@ -310,6 +320,7 @@ class SchedulerPlanner:
         req.num_tokens = num_tokens
         self._requests[req_id] = req
         if self._look_up(req, None):
+            req.arrival = True
             self._arrivals.add(req_id)
 
     def _prefetch(self) -> None:

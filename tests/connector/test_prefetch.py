@@ -216,3 +216,24 @@ def test_the_planner_drops_a_prefetch_whose_request_ends_before_its_load(
     p.after_alloc(req_id="local", block_ids=[list(range(N + 1))], num_external_tokens=0)
     plan = p.build()
     assert plan.loads == [] and plan.drops == ["local"]
+
+
+def test_a_request_whose_blocks_were_stored_after_its_arrival_is_looked_up_again(
+    client: BlockClient, stored: tuple[dict[str, torch.Tensor], tuple[bytes, ...]]
+) -> None:
+    """A request queued behind one with the same prompt: a miss at arrival, the blocks stored before it is admitted
+    (by the one ahead): the admission looks it up again rather than take the arrival's stale miss."""
+    src, _ = stored
+    hs = hashes(80, N)
+    p = planner(client)
+    tokens = (N + 1) * BLOCK
+    p.arrived(req_id="late", block_hashes=hs, num_tokens=tokens, token_ids=())
+    assert p.wait_for_lookups(timeout_s=30.0)  # answered: a miss, so nothing to prefetch
+    assert p.build().prefetches == []
+    writer = reader(client, src, budget_blocks=0)
+    writer.store(BlockJob(req_id="ahead", hashes=hs, block_ids=(tuple(range(N)),)))
+    writer.wait_uploads(60)
+    assert writer.stats.stored_blocks == N
+    assert p.matched_tokens(req_id="late", block_hashes=hs, num_tokens=tokens, num_computed_tokens=0) is None
+    p.wait_for_lookups(timeout_s=30.0)
+    assert p.matched_tokens(req_id="late", block_hashes=hs, num_tokens=tokens, num_computed_tokens=0) == N * BLOCK

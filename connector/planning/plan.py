@@ -330,6 +330,7 @@ class SchedulerPlanner:
             self._arrivals.discard(req_id)
             req = self._requests[req_id]
             assert req.lookup is not None
+            self._lookups.discard(req.lookup)  # read: an idle step no longer waits on it
             if req.lookup.cancelled() or req.lookup.exception() is not None:
                 continue
             present = req.lookup.result()[0] // self.keys.keys_per_block

@@ -107,7 +107,8 @@ def test_a_prefix_that_fits_the_budget_is_prefetched_the_rest_is_read_by_the_loa
     until(lambda: reads(gateway) == base + 2)
     assert r.prefetch.held_bytes == 2 * r.transfers[0].block_bytes()
     prefetch(r, "other", hs)  # the budget is full: nothing more
-    assert r.report()["prefetch_overflows"] == 2
+    until(lambda: r.prefetch.stats.overflows == 2)
+    assert r.report()["prefetch_overflows"] == 2 and r.prefetch.stats.started == 1
     ids = list(range(10, 10 + N))
     assert r.load(BlockJob(req_id="q", hashes=hs, block_ids=(tuple(ids),))).result(60) == set()
     assert reads(gateway) == base + N  # the load read the N - 2 blocks that did not fit, and only those

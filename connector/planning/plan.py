@@ -56,6 +56,11 @@ class StepPlan:
     """Requests preempted this step: their blocks go back to vLLM's free pool before the next forward pass."""
     idle: bool = False
     """Nothing is scheduled this step: the workers may wait for their loads in flight instead of returning."""
+    prefetches: list[BlockJob] = field(default_factory=list)
+    """Requests not admitted yet whose blocks the workers fetch into host memory now (no block ids: hashes only),
+    for their load to find there (connector/worker/prefetch.py)."""
+    drops: list[str] = field(default_factory=list)
+    """Requests whose prefetched blocks will not be loaded (finished, aborted, or a plan without them): freed."""
 
 
 @dataclass(slots=True)
@@ -81,6 +86,16 @@ class _Request:
     """A producer's P/D request: its stores are not dropped for lack of buffer room (``BlockJob.keep``)."""
     wait_s: float = 0.0
     """A consumer's P/D request: how long its lookup may wait on the gateway for the producer's blocks."""
+    counted: bool = False
+    """``decision`` is counted in ``PlanStats`` (a prefetch's decision is counted when ``matched_tokens`` takes it)."""
+    num_tokens: int = 0
+    """The prompt's tokens at arrival (``arrived``): a prefetch leaves the last one to compute."""
+    prefetched: bool = False
+    """A prefetch was sent for it and no load or drop has taken it yet."""
+    arrival: bool = False
+    """Its lookup was sent at arrival (``arrived``) and ``matched_tokens`` has not read it yet."""
+    asked: int = 0
+    """Blocks its lookup asked for."""
 
     def answered(self, _future: object) -> None:
         self.lookup_answered = time.monotonic()
@@ -102,6 +117,8 @@ class PlanStats:
     """Loads that ran out of their deadline: the blocks that had not arrived were recomputed."""
     abandoned_lookups: int = 0
     """Lookups with no answer within the lookup deadline: a miss, never a wait."""
+    prefetches: int = 0
+    """Requests whose blocks were sent to the workers to fetch before the request was admitted."""
     predicted_load_s: float = 0.0
     """Sum of the predicted times of the loads that ended (compare with ``actual_load_s``)."""
     actual_load_s: float = 0.0
@@ -114,6 +131,7 @@ class PlanStats:
         "probes",
         "abandoned",
         "abandoned_lookups",
+        "prefetches",
         "predicted_load_s",
         "actual_load_s",
     )
@@ -160,11 +178,13 @@ class SchedulerPlanner:
         block_bytes: int = 0,
         lookup_deadline_s: float | None = None,
         lookup_enabled: bool = True,
+        prefetch_enabled: bool = False,
     ) -> None:
         """``cost``: decides per request how much of a hit to load, and its deadline (None: all, no deadline);
         ``block_bytes``: a whole block's bytes over every rank and group, for it. ``lookup_deadline_s``: a lookup
         with no answer by then is a miss (plus a P/D request's wait). ``lookup_enabled`` False (a ``kv_producer``):
-        no lookups, every full block is stored."""
+        no lookups, every full block is stored. ``prefetch_enabled``: ``arrived`` looks a request up at once and its
+        load share is prefetched (``StepPlan.prefetches``)."""
         if block_size % hash_block_size:
             raise ValueError(f"block size {block_size} is not a multiple of the hash block size {hash_block_size}")
         self.client = client
@@ -175,6 +195,9 @@ class SchedulerPlanner:
         self.load_enabled = load_enabled
         self.store_enabled = store_enabled
         self.lookup_enabled = lookup_enabled
+        self.prefetch_enabled = prefetch_enabled and load_enabled and lookup_enabled
+        self._arrivals: set[str] = set()
+        """Requests looked up at arrival whose answer neither ``build`` nor ``matched_tokens`` has read yet."""
         self._requests: dict[str, _Request] = {}
         self._lookups: set[concurrent.futures.Future[tuple[int, list[LookupSlot]]]] = set()
         """Lookups whose answer ``matched_tokens`` has not read yet (an idle step waits on them)."""
@@ -225,18 +248,9 @@ class SchedulerPlanner:
             self._requests[req_id] = req
         if not self.lookup_enabled:
             return 0
-        if req.lookup is None:
-            hashes = self._hashes(req)
-            if not hashes:
-                return 0
-            want = None
-            if expect is not None and self.load_enabled:
-                req.wait_s, want = expect.wait_s, min(expect.blocks, len(hashes)) * self.keys.keys_per_block
-            req.lookup_sent = time.monotonic()
-            lookup = self.client.lookup(self.keys.keys(hashes), wait_s=req.wait_s, min_prefix=want)
-            req.lookup = self.client.submit(lookup)
-            req.lookup.add_done_callback(req.answered)
-            self._lookups.add(req.lookup)
+        if req.lookup is None and not self._look_up(req, expect):
+            return 0
+        assert req.lookup is not None
         if not req.lookup.done():
             waited = time.monotonic() - req.lookup_sent
             if self.lookup_deadline_s is None or waited < self.lookup_deadline_s + req.wait_s:
@@ -250,6 +264,7 @@ class SchedulerPlanner:
             log.warning("lookup of req=%s unanswered after %.3fs: a miss", req_id, waited)
             return 0
         self._lookups.discard(req.lookup)
+        self._arrivals.discard(req_id)
         try:
             prefix, _ = req.lookup.result()
         except concurrent.futures.CancelledError:
@@ -260,6 +275,12 @@ class SchedulerPlanner:
         if self.cost is not None and req.lookup_answered is not None:
             self.cost.observe_lookup(seconds=max(0.0, req.lookup_answered - req.lookup_sent))
             req.lookup_answered = None  # counted once
+        if req.arrival:
+            req.arrival = False
+            if prefix < req.asked * self.keys.keys_per_block and self._look_up(req, expect):
+                # not all of it at arrival: blocks stored since (by a request ahead of it) may be there now, so it
+                # is looked up again, as it would have been without the arrival's lookup
+                return None
         req.present = prefix // self.keys.keys_per_block
         req.stored = max(req.stored, req.present)
         if not self.load_enabled:
@@ -274,23 +295,64 @@ class SchedulerPlanner:
         req.load_start, req.load_blocks = local, extra
         return extra * self.block_size if extra else 0
 
-    def _decide(self, req_id: str, req: _Request, extra: int) -> int:
+    def _look_up(self, req: _Request, expect: Expected | None) -> bool:
+        """Start ``req``'s one lookup; False when it has no full block."""
+        hashes = self._hashes(req)
+        if not hashes:
+            return False
+        want = None
+        if expect is not None and self.load_enabled:
+            req.wait_s, want = expect.wait_s, min(expect.blocks, len(hashes)) * self.keys.keys_per_block
+        req.lookup_sent, req.asked = time.monotonic(), len(hashes)
+        lookup = self.client.lookup(self.keys.keys(hashes), wait_s=req.wait_s, min_prefix=want)
+        req.lookup = self.client.submit(lookup)
+        req.lookup.add_done_callback(req.answered)
+        self._lookups.add(req.lookup)
+        return True
+
+    def arrived(self, *, req_id: str, block_hashes: Sequence[bytes], num_tokens: int, token_ids: Sequence[int]) -> None:
+        """vLLM first sees the request (``on_new_request``): with prefetch on, its lookup starts now (the one
+        ``matched_tokens`` would start), and once it is answered ``build`` sends the load the cost model would plan
+        to the workers as a prefetch. Not for a P/D request (its lookup waits for its producer's blocks)."""
+        if not self.prefetch_enabled or req_id in self._requests:
+            return
+        req = _Request(hashes=block_hashes, hash_stride=self.hash_stride, block_ids=[], tokens=token_ids)
+        req.num_tokens = num_tokens
+        self._requests[req_id] = req
+        if self._look_up(req, None):
+            req.arrival = True
+            self._arrivals.add(req_id)
+
+    def _prefetch(self) -> None:
+        """The answered arrival lookups: a prefetch of each load share the cost model plans (decided, not counted:
+        ``matched_tokens`` counts it when it takes the decision)."""
+        for req_id in [r for r in self._arrivals if (q := self._requests.get(r)) and q.lookup and q.lookup.done()]:
+            self._arrivals.discard(req_id)
+            req = self._requests[req_id]
+            assert req.lookup is not None
+            self._lookups.discard(req.lookup)  # read: an idle step no longer waits on it
+            if req.lookup.cancelled() or req.lookup.exception() is not None:
+                continue
+            present = req.lookup.result()[0] // self.keys.keys_per_block
+            hit = min(present, max(0, (req.num_tokens - 1) // self.block_size))
+            blocks = self._decide(req_id, req, hit, count=False) if hit else 0
+            if req.decision is not None and req.decision.verdict is Verdict.PROBE:
+                continue  # a probe measures the link: its bytes must cross it while timed
+            if blocks:
+                hashes = tuple(self._hashes(req, upto=blocks))
+                self._plan.prefetches.append(BlockJob(req_id=req_id, hashes=hashes, block_ids=()))
+                req.prefetched = True
+                self.stats.prefetches += 1
+
+    def _decide(self, req_id: str, req: _Request, extra: int, *, count: bool = True) -> int:
         """The cost model's share of a hit of ``extra`` blocks (decided once per request, counted once)."""
         if self.cost is None:
             return extra
         if req.decision is None or req.decision.hit_blocks != extra:
+            req.counted = False
             req.decision = d = self.cost.plan(
                 hit_blocks=extra, block_tokens=self.block_size, block_bytes=self.block_bytes, now=time.monotonic()
             )
-            if d.verdict is Verdict.LOAD:
-                self.stats.loads += 1
-            elif d.verdict is Verdict.PARTIAL:
-                self.stats.partial += 1
-            elif d.verdict is Verdict.PROBE:
-                self.stats.probes += 1
-            else:
-                self.stats.skipped += 1
-            self.stats.last_reason = d.reason
             log.debug(
                 "req=%s %s %d of %d blocks: %s (load %.3fs, recompute %.3fs, deadline %.3fs)",
                 req_id,
@@ -302,6 +364,18 @@ class SchedulerPlanner:
                 d.predicted_recompute_s,
                 d.deadline_s,
             )
+        if count and not req.counted:
+            req.counted = True
+            d = req.decision
+            if d.verdict is Verdict.LOAD:
+                self.stats.loads += 1
+            elif d.verdict is Verdict.PARTIAL:
+                self.stats.partial += 1
+            elif d.verdict is Verdict.PROBE:
+                self.stats.probes += 1
+            else:
+                self.stats.skipped += 1
+            self.stats.last_reason = d.reason
         return req.decision.blocks
 
     def loaded(self, *, req_id: str, outcome: LoadOutcome) -> None:
@@ -320,15 +394,20 @@ class SchedulerPlanner:
         if req is None:
             return
         req.block_ids = [list(ids) for ids in block_ids]
-        if num_external_tokens <= 0 or req.load_blocks == 0:
-            return
-        start, count = req.load_start, num_external_tokens // self.block_size
-        hashes = self._hashes(req, upto=start + count)[start:]
-        ids = tuple(tuple(g[start : start + len(hashes)]) for g in req.block_ids)
-        if hashes and all(len(g) == len(hashes) for g in ids):
-            deadline = None if req.decision is None or req.decision.blocks == 0 else req.decision.deadline_s
-            self._plan.loads.append(BlockJob(req_id=req_id, hashes=tuple(hashes), block_ids=ids, deadline_s=deadline))
-        req.load_blocks = 0
+        loads = len(self._plan.loads)
+        if num_external_tokens > 0 and req.load_blocks > 0:
+            start, count = req.load_start, num_external_tokens // self.block_size
+            hashes = self._hashes(req, upto=start + count)[start:]
+            ids = tuple(tuple(g[start : start + len(hashes)]) for g in req.block_ids)
+            if hashes and all(len(g) == len(hashes) for g in ids):
+                deadline = None if req.decision is None or req.decision.blocks == 0 else req.decision.deadline_s
+                job = BlockJob(req_id=req_id, hashes=tuple(hashes), block_ids=ids, deadline_s=deadline)
+                self._plan.loads.append(job)
+            req.load_blocks = 0
+        if req.prefetched:  # a load takes the prefetched blocks and frees them; without one they are dropped
+            req.prefetched = False
+            if len(self._plan.loads) == loads:
+                self._plan.drops.append(req_id)
 
     # -- the step ------------------------------------------------------------------------------------------
 
@@ -378,6 +457,8 @@ class SchedulerPlanner:
         flight first (the engine has nothing else to do), and let the workers wait for their loads."""
         if idle:
             self.wait_for_lookups(timeout_s=self.lookup_wait_s)
+        if self._arrivals:
+            self._prefetch()
         plan, self._plan = self._plan, StepPlan()
         plan.idle = idle
         return plan
@@ -419,8 +500,11 @@ class SchedulerPlanner:
     def finished(self, req_id: str) -> bool:
         """Forget ``req_id``; True when stores were planned for it (its blocks must outlive their copies)."""
         req = self._requests.pop(req_id, None)
+        self._arrivals.discard(req_id)
         if req is None:
             return False
+        if req.prefetched:
+            self._plan.drops.append(req_id)
         if req.lookup is not None:
             req.lookup.cancel()
             self._lookups.discard(req.lookup)

@@ -14,8 +14,9 @@ scheduler in ``KVGateWorkerMetadata`` and its decisions go out in vLLM's KV tran
 Prometheus metrics (connector/vllm/metrics.py, docs/connector-metrics.md). A step with work never waits on the network.
 A step with nothing scheduled waits, bounded, for a lookup (``build_connector_meta``) or a load (``get_finished``) in
 flight instead of returning at once: the engine would step again at once, thousands of times a second, holding the
-GIL and a core that the loads need. Stores are best effort: a block that does not fit the bounded buffers is dropped
-and counted.
+GIL and a core that the loads need. With ``prefetch_budget_mib``, ``on_new_request`` starts the lookup and the
+workers read the hit into host memory before the request is admitted (connector/worker/prefetch.py). Stores are
+best effort: a block that does not fit the bounded buffers is dropped and counted.
 
 Roles (``kv_role``): a ``kv_producer`` stores and never looks up or loads; a ``kv_consumer`` looks up and loads
 and never stores (nor writes the namespace's config); ``kv_both`` does both. Prefill/decode disaggregation
@@ -267,6 +268,7 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 cost=CostModel(settings.cost_settings()),
                 block_bytes=self.shape.block_bytes * max(1, len(self.shape.groups)),
                 lookup_deadline_s=settings.lookup_deadline_ms / 1000,
+                prefetch_enabled=settings.prefetch_budget_mib > 0,
             )
 
     @property
@@ -274,6 +276,17 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return False  # a best-effort cache: a dropped store is a future miss
 
     # -- scheduler side ------------------------------------------------------------------------------------
+
+    def on_new_request(self, request: Request) -> None:
+        """Fetch at arrival (connector/worker/prefetch.py): the lookup starts now, not when the scheduler reaches
+        the request; a P/D request (``kv_transfer_params``) is looked up as before."""
+        if self.planner is not None and not request.kv_transfer_params:
+            self.planner.arrived(
+                req_id=request.request_id,
+                block_hashes=request.block_hashes,
+                num_tokens=request.num_tokens,
+                token_ids=request.all_token_ids,
+            )
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.planner is None or request.request_id in self._recompute:
@@ -447,6 +460,7 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             tp_size=self.shape.tp_size,
             tp_rank=self.shape.rank % self.shape.tp_size,
             keep_wait_s=self.settings.handoff_store_wait_ms / 1000,
+            prefetch_budget_bytes=self.settings.prefetch_budget_mib * 1024 * 1024,
         )
         if (
             self.shape.rank == 0 and self.produces
@@ -465,6 +479,7 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if plan is None or self.pipeline is None:
             return
         self._loading.update(job.req_id for job in plan.loads)
+        self.pipeline.start_prefetches(plan.prefetches, drops=plan.drops)
         self.pipeline.start_loads(plan.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:

@@ -35,6 +35,10 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "abandoned_lookups",
         "Lookups with no answer within the lookup deadline: a miss, never a wait.",
     ),
+    "prefetches": (
+        "prefetches_planned",
+        "Requests whose load share was sent to the workers to fetch into host memory before they were admitted.",
+    ),
     "predicted_load_s": (
         "predicted_load_seconds",
         "Sum of the cost model's predicted times of the loads that ended (compare with vllm:kvgate_load_seconds).",
@@ -83,6 +87,27 @@ WORKER_COUNTERS: dict[str, tuple[str, str]] = {
         "corrupt_reads",
         "Reads refused: bytes that did not match their checksum or size (a miss, never loaded), over every rank.",
     ),
+    "prefetch_started": (
+        "prefetches_started",
+        "Requests whose blocks a rank started fetching at arrival, into host memory, counted on each rank.",
+    ),
+    "prefetch_blocks": ("prefetched_blocks", "Blocks fetched at arrival (GETs started), summed over the ranks."),
+    "prefetch_used": (
+        "prefetches_used",
+        "Requests whose load took blocks fetched at arrival instead of reading them, counted on each rank.",
+    ),
+    "prefetch_dropped": (
+        "prefetches_dropped",
+        "Requests whose blocks fetched at arrival were freed unused (finished, aborted, not loaded), on each rank.",
+    ),
+    "prefetch_hits": (
+        "prefetch_hits",
+        "Loads all of whose blocks were in host memory, read and verified, when the request was admitted; per rank.",
+    ),
+    "prefetch_overflows": (
+        "prefetch_overflows",
+        "Prefetches cut short or not started because the rank's prefetch budget was full, counted on each rank.",
+    ),
 }
 """Worker report key -> (metric name after the prefix, its help): the worker ranks' counts, summed."""
 
@@ -94,6 +119,10 @@ RANK_GAUGES: dict[str, tuple[str, str]] = {
     "load_bytes_held": (
         "load_host_bytes_held",
         "Host bytes of load buffers in use now (blocks read or being read, not yet scattered), summed over the ranks.",
+    ),
+    "prefetch_bytes_held": (
+        "prefetch_host_bytes_held",
+        "Host bytes held for blocks fetched at arrival, until their load or their drop, summed over the ranks.",
     ),
 }
 """Worker report key -> (metric name after the prefix, its help): bytes each rank holds now, ``{rank: bytes}``;

@@ -176,6 +176,9 @@ class ConnectorSettings(_ClientSettings):
     what is there and recomputes the rest)."""
     handoff_store_wait_ms: float = 5000.0
     """P/D producer: the longest its step waits for buffer room for a P/D request's store rather than drop it."""
+    prefetch_budget_mib: int = 0
+    """Fetch at arrival: the most host memory (MiB, per worker rank) held for the blocks of requests not admitted
+    yet, fetched when vLLM first sees them; 0: no prefetch (a request is looked up when the scheduler reaches it)."""
 
     def cost_settings(self) -> CostSettings:
         return CostSettings(

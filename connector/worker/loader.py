@@ -10,7 +10,8 @@ The first block that misses, fails or is corrupt ends the load: the blocks befor
 block are reported to vLLM, which recomputes them. So does the load's deadline (``BlockJob.deadline_s``, from the
 cost model): when it passes, the GETs in flight are cancelled (their connections closed), the blocks read whole by
 then are scattered, and the first block that was not read ends the load. Parallel-agnostic runs GET this rank's
-byte range of each canonical object (``ranges[g]``); others GET the rank's whole object.
+byte range of each canonical object (``ranges[g]``); others GET the rank's whole object. A block fetched at the
+request's arrival (connector/worker/prefetch.py) is copied from its host buffer instead of read from the network.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from connector.device.transfer import BlockTransfer
 from connector.http.client import BlockClient, ConnectorError
 from connector.planning.cost import LoadOutcome
 from connector.planning.plan import BlockJob
+from connector.worker.prefetch import Prefetcher
 from contract.keys import RunNaming
 
 log = logging.getLogger("kvgate.connector.loader")
@@ -42,9 +44,12 @@ class BlockLoader:
         naming: RunNaming,
         transfers: Sequence[BlockTransfer],
         ranges: Sequence[tuple[int, int] | None],
+        prefetch: Prefetcher | None = None,
     ) -> None:
-        """``ranges[g]``: the byte range of each group-``g`` object that this rank reads (None: all of it)."""
+        """``ranges[g]``: the byte range of each group-``g`` object that this rank reads (None: all of it);
+        ``prefetch``: blocks fetched at the request's arrival (connector/worker/prefetch.py), taken before a GET."""
         self.client = client
+        self.prefetch = prefetch
         self.naming = naming
         self.transfers = list(transfers)
         self.ranges = list(ranges)
@@ -106,9 +111,11 @@ class BlockLoader:
         """Take the window's buffers and GET its blocks into them; how many blocks, from ``start``, are whole.
 
         ``until`` (loop time): the GETs still in flight then are cancelled, and their blocks are not whole.
-        ``arrived[0]`` counts the bytes of every GET that completed."""
+        ``arrived[0]`` counts the bytes of every GET that completed (a block taken from the prefetched ones is no GET
+        of this load: its bytes are not the load's to measure)."""
         buffers: list[HostBuffer] = []
         gets: list[asyncio.Task[bool]] = []
+        taken = [0]
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout_at(until):
@@ -122,7 +129,7 @@ class BlockLoader:
             raise
         try:
             gets = [
-                asyncio.ensure_future(self._get(job, i, g, buffers[g], i - start))
+                asyncio.ensure_future(self._get(job, i, g, buffers[g], i - start, taken))
                 for i in range(start, end)
                 for g in range(len(buffers))
             ]
@@ -138,18 +145,20 @@ class BlockLoader:
             if t.done() and not t.cancelled() and (exc := t.exception()) is not None:
                 log.error("load read of req=%s crashed: %r", job.req_id, exc)
         width = len(buffers)
-        arrived[0] += sum(self.transfers[j % width].block_bytes() for j, good in enumerate(ok) if good)
+        arrived[0] += sum(self.transfers[j % width].block_bytes() for j, good in enumerate(ok) if good) - taken[0]
         got = next((b for b in range(end - start) if not all(ok[b * width : (b + 1) * width])), end - start)
         return got, buffers
 
-    async def _get(self, job: BlockJob, i: int, group: int, buffer: HostBuffer, slot: int) -> bool:
+    async def _get(self, job: BlockJob, i: int, group: int, buffer: HostBuffer, slot: int, taken: list[int]) -> bool:
         key = self.naming.block(job.hashes[i], group)
         part = self.ranges[group]
         size = self.transfers[group].block_bytes()
+        into = buffer.view[slot * size : (slot + 1) * size]
+        if self.prefetch is not None and await self.prefetch.take(job.req_id, job.hashes[i], group, into):
+            taken[0] += size
+            return True
         try:
-            return await self.client.get_into(
-                key, buffer.view[slot * size : (slot + 1) * size], byte_range=None if part is None else part
-            )
+            return await self.client.get_into(key, into, byte_range=None if part is None else part)
         except ConnectorError as exc:
             log.warning("load read failed key=%s: %s", key, exc)
             return False

@@ -41,6 +41,7 @@ from connector.http.client import BlockClient
 from connector.planning.cost import LoadOutcome
 from connector.planning.plan import BlockJob
 from connector.worker.loader import BlockLoader
+from connector.worker.prefetch import Prefetcher
 from contract.keys import RunNaming
 
 log = logging.getLogger("kvgate.connector.pipeline")
@@ -87,13 +88,21 @@ WORKER_COUNTERS: dict[str, str] = {
     "expired_loads": "expired_loads",
     "load_failed_blocks": "load_errors",
     "corrupt_reads": "client.corrupt_reads",
+    "prefetch_started": "prefetch.started",
+    "prefetch_blocks": "prefetch.blocks",
+    "prefetch_used": "prefetch.used",
+    "prefetch_dropped": "prefetch.dropped",
+    "prefetch_hits": "prefetch.hits",
+    "prefetch_overflows": "prefetch.overflows",
 }
 """``WorkerPipeline.report`` key -> the count it reports the increments of: a ``PipelineStats`` field, or
-``client.<field>`` of the client's ``ClientStats``. The keys are not the scheduler's (``PlanStats.COUNTERS``)."""
+``client.<field>`` of the client's ``ClientStats``, or ``prefetch.<field>`` of the ``PrefetchStats``
+(connector/worker/prefetch.py). The keys are not the scheduler's (``PlanStats.COUNTERS``)."""
 
-WORKER_GAUGES = ("store_bytes_held", "load_bytes_held")
+WORKER_GAUGES = ("store_bytes_held", "load_bytes_held", "prefetch_bytes_held")
 """``WorkerPipeline.report`` keys of the host bytes in use now: store buffers holding gathered blocks until their
-upload ends, load buffers holding read blocks until their scatter ends (pinned on a GPU)."""
+upload ends, load buffers holding read blocks until their scatter ends, prefetch buffers holding blocks fetched at
+a request's arrival until its load or its drop (pinned on a GPU)."""
 
 
 @dataclass(slots=True)
@@ -114,8 +123,10 @@ class WorkerPipeline:
         tp_size: int,
         tp_rank: int,
         keep_wait_s: float = 5.0,
+        prefetch_budget_bytes: int = 0,
     ) -> None:
-        """``keep_wait_s``: the longest a P/D producer's store (``BlockJob.keep``) waits for buffer room."""
+        """``keep_wait_s``: the longest a P/D producer's store (``BlockJob.keep``) waits for buffer room;
+        ``prefetch_budget_bytes``: the most host bytes held for blocks fetched at arrival (0: no prefetch)."""
         self.client = client
         self.keep_wait_s = keep_wait_s
         self.naming = naming
@@ -138,11 +149,17 @@ class WorkerPipeline:
         self._outcomes: dict[str, LoadOutcome] = {}
         self._reported: dict[str, int] = {}
         self._held: dict[str, int] = {}
-        self._loader = BlockLoader(
+        ranges = [None if (r := self.part_range(t)) is None else r[:2] for t in self.transfers]
+        self.prefetch = Prefetcher(
             client=client,
             naming=naming,
             transfers=self.transfers,
-            ranges=[None if (r := self.part_range(t)) is None else r[:2] for t in self.transfers],
+            ranges=ranges,
+            budget_bytes=prefetch_budget_bytes,
+            pin=any(t.device.type == "cuda" for t in self.transfers),
+        )
+        self._loader = BlockLoader(
+            client=client, naming=naming, transfers=self.transfers, ranges=ranges, prefetch=self.prefetch
         )
         for streams in {id(t.streams): t.streams for t in self.transfers if t.streams is not None}.values():
             client.run(_bind(streams), timeout_s=30.0)  # the loop thread's CUDA calls go to the KV's device
@@ -156,6 +173,17 @@ class WorkerPipeline:
         after = [t.mark() for t in self.transfers]
         for job in jobs:
             self.load(job, after=after)
+
+    def start_prefetches(self, jobs: Sequence[BlockJob], *, drops: Collection[str] = ()) -> None:
+        """``start_load_kv``, before the step's loads: start fetching the blocks of requests not admitted yet into
+        host memory (connector/worker/prefetch.py), and free those of ``drops`` (finished, aborted, not loaded)."""
+        for job in jobs:
+            self.client.submit(self._prefetch_start(job))
+        for req_id in drops:
+            self.client.submit(self.prefetch.release(req_id))
+
+    async def _prefetch_start(self, job: BlockJob) -> None:
+        self.prefetch.start(job)
 
     def start_stores(self, jobs: Sequence[BlockJob]) -> None:
         """``wait_for_save``: start the step's stores, ordered after the forward pass that wrote their blocks."""
@@ -223,11 +251,13 @@ class WorkerPipeline:
         """``WORKER_GAUGES``: the host bytes of the store and load buffers in use now, over every KV group."""
         store = sum((t.store_pool.size - t.store_pool.available) * t.store_pool.buffer_bytes for t in self.transfers)
         load = sum((t.load_pool.size - t.load_pool.available) * t.load_pool.buffer_bytes for t in self.transfers)
-        return {"store_bytes_held": store, "load_bytes_held": load}
+        return {"store_bytes_held": store, "load_bytes_held": load, "prefetch_bytes_held": self.prefetch.held_bytes}
 
     def _count(self, field: str) -> int:
         if field.startswith("client."):
             return int(getattr(self.client.stats, field.removeprefix("client.")))
+        if field.startswith("prefetch."):
+            return int(getattr(self.prefetch.stats, field.removeprefix("prefetch.")))
         return int(getattr(self.stats, field))
 
     def report(self) -> dict[str, int]:
@@ -372,6 +402,8 @@ class WorkerPipeline:
         concurrent.futures.wait(futs, timeout=timeout_s)
 
     def close(self) -> None:
+        if self.prefetch.held_bytes:
+            self.client.run(self.prefetch.close(), timeout_s=30.0)
         for transfer in self.transfers:
             transfer.close()
 
@@ -394,7 +426,12 @@ class WorkerPipeline:
 
     async def _load(self, job: BlockJob, after: Sequence[CopyEvent] | None) -> set[int]:
         n = len(job.hashes)
-        outcome = await self._loader.load(job, after)
+        if self.prefetch.ready(job):  # every block in host memory when the scheduler admitted the request
+            self.prefetch.stats.hits += 1
+        try:
+            outcome = await self._loader.load(job, after)
+        finally:
+            await self.prefetch.release(job.req_id)
         loaded = outcome.loaded
         failed = {bid for group in job.block_ids for bid in group[loaded:]}
         self.stats.loaded_blocks += loaded

@@ -97,6 +97,7 @@ def reports() -> list[dict[str, float]]:
         cost=cost,
         block_bytes=MIB,
         lookup_deadline_s=0.0,
+        prefetch_enabled=True,
     )
     out = []
     # 1: no load measured the link yet, recompute is faster: a probe; it runs out of its deadline (abandoned) and
@@ -105,13 +106,17 @@ def reports() -> list[dict[str, float]]:
     planner.loaded(req_id="probe", outcome=LoadOutcome(loaded=1, nbytes=MIB // 2, seconds=1.0, expired=True))
     assert hit(planner, "skip", 4) == 0
     out.append(planner.report())
-    # 2: a fast load lifts the estimate: a short hit loads whole, a long one only what fits the longest wait; one
-    # lookup never answers
+    # 2: a fast load lifts the estimate: a short hit loads whole, a long one only what fits the longest wait; a request
+    # seen at arrival is prefetched; one lookup never answers
     planner.loaded(req_id="warm", outcome=LoadOutcome(loaded=4, nbytes=1000 * MIB, seconds=1.0, expired=False))
     assert hit(planner, "load", 2) == 2 * BLOCK
     partial = hit(planner, "partial", 2000)
     assert partial is not None and 0 < partial < 2000 * BLOCK, partial
     planner.loaded(req_id="load", outcome=LoadOutcome(loaded=2, nbytes=2 * MIB, seconds=0.02, expired=False))
+    # a request seen on arrival, not admitted yet: its load share is prefetched
+    early = [f"early-{i}".encode() for i in range(2)]
+    planner.arrived(req_id="early", block_hashes=early, num_tokens=2 * BLOCK + 1, token_ids=())
+    assert [j.req_id for j in planner.build().prefetches] == ["early"]
     client.stall = True
     assert hit(planner, "stalled", 2) == 0
     out.append(planner.report())

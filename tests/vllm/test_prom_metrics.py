@@ -28,6 +28,7 @@ DECISIONS = {"loads": "load", "partial": "partial", "skipped": "skip", "probes":
 """Report key -> ``verdict`` of vllm:kvgate_decisions_total."""
 COUNTERS = {
     "abandoned_lookups": "vllm:kvgate_abandoned_lookups_total",
+    "prefetches": "vllm:kvgate_prefetches_planned_total",
     "predicted_load_s": "vllm:kvgate_predicted_load_seconds_total",
     "actual_load_s": "vllm:kvgate_load_seconds_total",
 }
@@ -50,10 +51,17 @@ WORKER = {
     "expired_loads": "vllm:kvgate_worker_expired_loads_total",
     "load_failed_blocks": "vllm:kvgate_load_failed_blocks_total",
     "corrupt_reads": "vllm:kvgate_corrupt_reads_total",
+    "prefetch_started": "vllm:kvgate_prefetches_started_total",
+    "prefetch_blocks": "vllm:kvgate_prefetched_blocks_total",
+    "prefetch_used": "vllm:kvgate_prefetches_used_total",
+    "prefetch_dropped": "vllm:kvgate_prefetches_dropped_total",
+    "prefetch_hits": "vllm:kvgate_prefetch_hits_total",
+    "prefetch_overflows": "vllm:kvgate_prefetch_overflows_total",
 }
 HELD = {
     "store_bytes_held": "vllm:kvgate_store_host_bytes_held",
     "load_bytes_held": "vllm:kvgate_load_host_bytes_held",
+    "prefetch_bytes_held": "vllm:kvgate_prefetch_host_bytes_held",
 }
 ENGINES = ("0", "1")
 

@@ -89,6 +89,15 @@ class Server(LoopbackProcess):
         )
         return self
 
+    def kvgate(self) -> dict[str, float]:
+        """The connector's own counters and gauges (``vllm:kvgate_*``), summed over their labels."""
+        got: dict[str, float] = {}
+        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
+            name = line.split("{")[0].split(" ")[0]
+            if name.startswith("vllm:kvgate_") and not name.endswith("_created"):
+                got[name] = got.get(name, 0.0) + float(line.split()[-1])
+        return got
+
     def metrics(self) -> dict[str, float]:
         """The counters a phase's figures are read from (summed over their labels)."""
         names = [f"vllm:{n}" for n in ("external_prefix_cache_hits_total", *(f"{h}_sum" for h in PHASES))]
@@ -213,6 +222,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=8, help="hits sent one at a time (and recomputed on C)")
     ap.add_argument("--concurrent", type=int, default=4, help="hits at once; also the loads beside the misses")
     ap.add_argument("--misses", type=int, default=2)
+    ap.add_argument(
+        "--connector", action="append", default=[], metavar="KEY=JSON", help="a kvgate connector setting (repeatable)"
+    )
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--work", type=Path, default=None, help="keep the servers' logs there (default: a temp dir)")
     a = ap.parse_args()
@@ -234,11 +246,13 @@ def main() -> None:
         sizes = ["--layers", "8", "--hidden", "1024", "--heads", "16", "--kv-heads", "8"]
         subprocess.run([py, str(REPO / "loopback/tiny_model.py"), str(model), *sizes], check=True)
         max_len = int(a.tokens * 1.25) + 256
+        extra = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in a.connector)}
         gw = Gateway(work / "data").start()
         try:
 
             def server(label: str, url: str | None) -> Server:
-                srv = Server(python=py, model=model, work=work, label=label, url=url, max_len=max_len).start()
+                srv = Server(python=py, model=model, work=work, label=label, url=url, max_len=max_len, extra=extra)
+                srv.start()
                 # as tests/engine/driver.py warms up: a short prompt twice (a first forward, and the path of a
                 # cached prefix): no figure pays a process's one-off costs
                 asyncio.run(one_by_one(srv.url, str(model), [" ".join(["warm up"] * 40)] * 2))
@@ -273,9 +287,14 @@ def main() -> None:
                 per = out["hit_tokens_per_request"] * KV_BYTES_PER_TOKEN
                 out["concurrent"] = summary(got) | {"span_s": span, "kv_bytes_per_s": n_con * per / span}
                 out["misses_alone"] = summary(asyncio.run(at_once(srv.url, str(model), misses_alone))[0])
+                k0 = srv.kvgate()
                 mixed, _ = asyncio.run(at_once(srv.url, str(model), misses_beside + beside))
+                k1 = srv.kvgate()
                 out["misses_beside_loads"] = summary(mixed[:n_miss])
                 out["loads_beside_misses"] = summary(mixed[n_miss:])
+                out["loads_beside_misses"]["kvgate"] = {  # the connector's prefetch counters over the phase
+                    k.removeprefix("vllm:kvgate_"): v - k0.get(k, 0.0) for k, v in k1.items() if "prefetch" in k
+                }
             finally:
                 srv.stop()
             srv = server("C", None)
@@ -328,6 +347,8 @@ def report(out: dict[str, Any]) -> None:
         if "cpu_s" in s:
             line += f"   (CPU per request: engine {s['cpu_s']['engine']:.2f} s, gateway {s['cpu_s']['gateway']:.2f} s)"
         print(line)
+        if s.get("kvgate"):
+            print("      fetched at arrival:", ", ".join(f"{k} {v:.0f}" for k, v in sorted(s["kvgate"].items())))
     rec, hit = out["recompute"]["p50"], out["hits"]["p50"]
     print(
         f"  a miss with kvgate on / off (p50): one at a time {out['misses_storing']['p50'] / rec:.2f}x, "

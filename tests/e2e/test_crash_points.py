@@ -19,8 +19,9 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,24 +44,28 @@ pytestmark = pytest.mark.timeout(600)
 
 @dataclass
 class Run:
-    """One row's run: the gateway, its key, its flags folder (``arm``, ``fired``)."""
+    """One row's run: the gateway, its key, its flags folder (``arm``, ``fired``), its point."""
 
     gw: Gateway
     key: str
     flags: Path
+
+    point: str
 
     @property
     def blocks(self) -> Path:
         return self.gw.data_dir / "blocks"
 
     def arm(self) -> None:
-        (self.flags / "arm").touch()
+        """From now on the process dies at the first call of the row's point."""
+        (self.flags / "arm").write_text(self.point)
 
 
-def _crash_env(point: str, flags: Path) -> dict[str, str]:
+def _crash_env(flags: Path) -> dict[str, str]:
+    """Every point wrapped; none armed until ``flags/arm`` names one."""
     return {
         "PYTHONPATH": f"{FAULTS}{os.pathsep}{REPO}",
-        "KVGATE_TEST_CRASH": f"{point}:1",
+        "KVGATE_TEST_CRASH": "all:1",
         "KVGATE_TEST_CRASH_DIR": str(flags),
     }
 
@@ -89,8 +94,7 @@ def _stored(c: httpx.Client, key: str, body: bytes) -> None:
 
 def _spawn_crash_writer(run: Run, *, commit: bool) -> None:
     """A writer that stages NEW for the key and is killed: after its row commit (``commit``), or before it."""
-    flags = run.flags / "writer"
-    flags.mkdir()
+    flags = Path(tempfile.mkdtemp(prefix="writer-", dir=run.flags))
     writer = subprocess.Popen(
         [
             sys.executable,
@@ -223,7 +227,6 @@ def op_reconcile_sweep(run: Run, c: httpx.Client) -> Values:
 
 def op_reconcile_adopt(run: Run, c: httpx.Client) -> Values:
     """A block file without a row (vLLM's fs tier wrote it); start-up reconcile adopts it."""
-    _stored(c, key_for(2), OLD)  # the blocks' directories
     path = run.blocks / run.key
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(NEW)
@@ -255,6 +258,7 @@ def op_scrub(run: Run, c: httpx.Client) -> Values:
 ENV = {
     "evict": {"KVGATE_MAX_BYTES": str(3 * BLOCK), "KVGATE_EVICTION_INTERVAL_S": "0.1"},
     "repair": {"KVGATE_META_CACHE_ENTRIES": "0"},  # the crash writer's row is read, not the PUT's cached one
+    "purge": {},  # the namespace of every other row's key
 }
 
 Operation = Callable[[Run, httpx.Client], Values]
@@ -293,46 +297,74 @@ TABLE: list[tuple[str, Operation, str]] = [
 ]
 
 
+OWN_GATEWAY = frozenset(ENV)
+"""Operations whose gateway runs with settings of its own; the others share one gateway (a data directory), each
+with a key of its own, restarted after each crash."""
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateway, Path]]:
+    root = tmp_path_factory.mktemp("crash-points")
+    flags = root / "flags"
+    flags.mkdir()
+    gw = Gateway(root / "data", env=_crash_env(flags))
+    try:
+        yield gw, flags
+    finally:
+        gw.stop()
+
+
 def test_the_table_names_every_crash_point() -> None:
     assert {point for _, _, point in TABLE} == set(CRASH_POINTS)
 
 
-@pytest.mark.parametrize(("name", "operation", "point"), TABLE, ids=[f"{n}-{p}" for n, _, p in TABLE])
+@pytest.mark.parametrize(
+    ("n", "name", "operation", "point"),
+    [(n, *row) for n, row in enumerate(TABLE)],
+    ids=[f"{n}-{p}" for n, _, p in TABLE],
+)
 def test_a_crash_at_the_point_keeps_the_old_value_or_the_new(
-    tmp_path: Path, name: str, operation: Operation, point: str
+    tmp_path: Path, shared: tuple[Gateway, Path], n: int, name: str, operation: Operation, point: str
 ) -> None:
-    flags = tmp_path / "flags"
-    flags.mkdir()
-    env = _crash_env(point, flags) | ENV.get(name, {})
-    run = Run(Gateway(tmp_path / "data", env=env).start(), key_for(1), flags)
+    if name in OWN_GATEWAY:
+        flags = tmp_path / "flags"
+        flags.mkdir()
+        gw = Gateway(tmp_path / "data", env=_crash_env(flags) | ENV[name])
+    else:
+        gw, flags = shared
+    for left in ("arm", "fired"):  # by a row that failed before
+        (flags / left).unlink(missing_ok=True)
+    if gw.proc is None or gw.proc.poll() is not None:
+        gw.start()
+    run = Run(gw, key_for(1000 + n), flags, point)
     try:
-        with httpx.Client(base_url=run.gw.url, timeout=30) as c:
+        with httpx.Client(base_url=gw.url, timeout=30) as c:
             allowed = operation(run, c)
         fired = flags / "fired"
-        if run.gw.proc is not None and name != "scrub":
+        if gw.proc is not None and name != "scrub":
             try:
-                run.gw.proc.wait(30)
+                gw.proc.wait(30)
             except subprocess.TimeoutExpired:
                 pytest.fail(f"the {name} never reached crash point {point!r}: the gateway is still running")
-            assert run.gw.proc.returncode == -signal.SIGKILL, run.gw.log()[-2000:]
+            assert gw.proc.returncode == -signal.SIGKILL, gw.log()[-2000:]
         assert fired.exists() and fired.read_text() == point, f"the {name} never reached crash point {point!r}"
         assert not (flags / "arm").exists()
-        run.gw.start()  # unarmed: its start-up reconcile recovers
-        keys = [run.key] + ([key_for(i) for i in range(2, 12)] if name == "evict" else [])
-        final = final_state(run.gw.url, keys)
+        gw.start()  # unarmed: its start-up reconcile recovers
+        others = [key_for(i) for i in range(2, 12)] if name == "evict" else []
+        final = final_state(gw.url, [run.key, *others])
         digests = {None if v is None else digest_of(v) for v in allowed}
         assert final[run.key] in digests, f"after a crash at {point!r} in a {name}: {final[run.key]}"
-        for i, key in enumerate(keys[1:], start=2):
+        for i, key in enumerate(others, start=2):
             assert final[key] in (None, digest_of(random_bytes(BLOCK, i))), key
-        data = run.gw.data_dir
-        assert index_rows(data) == block_files(data), "index rows and block files differ"
+        assert index_rows(gw.data_dir) == block_files(gw.data_dir), "index rows and block files differ"
         assert not [p for p in run.blocks.rglob(".kvgate-tmp-*")], "a staged file is left"
         if name in ("part", "complete"):  # the object can be sent again, and completes
-            with httpx.Client(base_url=run.gw.url, timeout=30) as c:
+            with httpx.Client(base_url=gw.url, timeout=30) as c:
                 for start, end in ((0, HALF), (HALF, BLOCK)):
                     got = _part(c, run.key, start, end)
                     assert got is not None and got.status_code < 300, got and got.text
                 got_all = c.get(f"/v1/blocks/{run.key}")
                 assert (got_all.status_code, got_all.content) == (200, NEW)
     finally:
-        run.gw.stop()
+        if name in OWN_GATEWAY:
+            gw.stop()

@@ -10,9 +10,10 @@ functions that every release has, so a test shows what an earlier tree did at th
   (touches ``DIR/held`` and waits to be killed): a crash right after a row goes.
 
 Crash points (``CRASH_POINTS``): with ``KVGATE_TEST_CRASH=<point>[,<point>...]:<when>`` the process kills itself
-(SIGKILL: no cleanup, no answer) right after the named step returned. ``<when>``: ``N``, the Nth call of the named
-steps (1: the first), or ``p<probability>``, each call. With ``KVGATE_TEST_CRASH_DIR=<dir>`` calls count only while
-``<dir>/arm`` exists; before it dies the process removes ``arm`` and writes the point's name to ``<dir>/fired``.
+(SIGKILL: no cleanup, no answer) right after the named step returned (``all``: every point). ``<when>``: ``N``, the
+Nth call of the named steps (1: the first), or ``p<probability>``, each call. With ``KVGATE_TEST_CRASH_DIR=<dir>``
+calls count only while ``<dir>/arm`` exists, and only those of the points it names if it names any (one a line);
+before it dies the process removes ``arm`` and writes the point's name to ``<dir>/fired``.
 Each point wraps a store or index method at its boundary (tests/e2e/test_crash_points.py runs each one).
 """
 
@@ -131,7 +132,7 @@ def _crash_points(spec: str, flags: Path | None) -> None:
     import importlib
 
     names, _, when = spec.rpartition(":")
-    chosen = [n for n in names.split(",") if n]
+    chosen = list(CRASH_POINTS) if names == "all" else [n for n in names.split(",") if n]
     unknown = [n for n in chosen if n not in CRASH_POINTS]
     if unknown or not chosen:
         raise SystemExit(f"KVGATE_TEST_CRASH: unknown points {unknown}; known: {', '.join(CRASH_POINTS)}")
@@ -139,9 +140,14 @@ def _crash_points(spec: str, flags: Path | None) -> None:
     nth = None if probability is not None else int(when)
     calls = [0]
 
-    def due() -> bool:
-        if flags is not None and not (flags / "arm").exists():
-            return False
+    def due(point: str) -> bool:
+        if flags is not None:
+            try:
+                aimed = (flags / "arm").read_text().split()
+            except FileNotFoundError:
+                return False
+            if aimed and point not in aimed:
+                return False
         if probability is not None:
             return random.random() < probability
         calls[0] += 1
@@ -160,7 +166,7 @@ def _crash_points(spec: str, flags: Path | None) -> None:
 
         async def crashing(self: Any, *args: Any, **kwargs: Any) -> Any:
             out = await inner(self, *args, **kwargs)
-            if (which is None or which(args)) and due():
+            if (which is None or which(args)) and due(point):
                 die(point)
             return out
 

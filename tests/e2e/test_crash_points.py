@@ -234,6 +234,26 @@ def op_reconcile_adopt(run: Run, c: httpx.Client) -> Values:
     return {None, NEW}
 
 
+def op_reconcile_restamp(run: Run, c: httpx.Client) -> Values:
+    """The stored file touched behind the gateway's back (its stamp's mtime no longer the row's, its bytes still
+    the row's); start-up reconcile repairs the key: the bytes kept, under a stamp of ours."""
+    _stored(c, run.key, OLD)
+    run.gw.stop()
+    path = run.blocks / run.key
+    os.utime(path, ns=(time.time_ns(), path.stat().st_mtime_ns + 5_000_000_000))
+    _at_start(run)
+    return {OLD}
+
+
+def op_reconcile_drop(run: Run, c: httpx.Client) -> Values:
+    """The stored file removed behind the gateway's back; start-up reconcile drops the row that names it."""
+    _stored(c, run.key, OLD)
+    run.gw.stop()
+    (run.blocks / run.key).unlink()
+    _at_start(run)
+    return {None}
+
+
 def op_scrub(run: Run, c: httpx.Client) -> Values:
     """A bit of the stored block flipped; ``kvgate scrub`` condemns it (quarantine, then the row)."""
     _stored(c, run.key, OLD)
@@ -294,6 +314,9 @@ TABLE: list[tuple[str, Operation, str]] = [
     ("reconcile-sweep", op_reconcile_sweep, "leftover-dropped"),
     ("reconcile-adopt", op_reconcile_adopt, "claimed"),
     ("reconcile-adopt", op_reconcile_adopt, "swapped"),
+    ("reconcile-restamp", op_reconcile_restamp, "claimed"),
+    ("reconcile-restamp", op_reconcile_restamp, "swapped"),
+    ("reconcile-drop", op_reconcile_drop, "row-removed"),
 ]
 
 

@@ -28,6 +28,7 @@ import httpx
 
 from loopback.s3_servers import S3TestServer
 from tests.capacity.helpers import block_files, index_rows
+from tests.e2e.faults.sitecustomize import CRASH_POINTS
 from tests.e2e.history import History, Traffic, Verdict, check, digest_of, final_state, workload_keys
 from tests.e2e.nemesis import KINDS, Clocks, PgFaults, Rot, S3Faults, S3Rot
 from tests.gateway import REPO, Gateway
@@ -58,8 +59,10 @@ class Faults:
     """Kills of one worker of a ``--workers`` gateway (half the kills when it has several)."""
     failures: list[str] = field(default_factory=list)
     points: Path | None = None
-    """The flags folder of the ``removed`` fault point (tests/e2e/faults/sitecustomize.py) the gateways run with:
-    half the kills are then aimed right after a block row's removal commits (counted in ``point_kills``)."""
+    """The flags folder of the crash points (``CRASH_POINTS``, tests/e2e/faults/sitecustomize.py): each gateway start
+    draws one point of the table; half the kills are aimed there instead (the point armed, the gateway kills itself
+    when it reaches it, at start-up reconcile too), each counted by name in ``point_counts``."""
+    point_counts: Counter[str] = field(default_factory=Counter)
     down: set[int] = field(default_factory=set)
     kills: int = 0
     point_kills: int = 0
@@ -124,28 +127,59 @@ class Faults:
         self.down.discard(i)
 
     def _at_point(self, points: Path) -> None:
-        """Arm the point, wait a few seconds for a removal to stop there (the gateway then waits to be killed)."""
-        arm, held = points / "arm", points / "held"
-        arm.touch()
+        """Arm the gateway's point and wait a few seconds for the traffic to reach it (the gateway, or one of its
+        workers, kills itself there); left armed for the next start-up if it was not reached."""
+        (points / "arm").touch()
         deadline = time.monotonic() + 4.0
-        while not held.exists() and time.monotonic() < deadline and not self.stop.wait(0.05):
+        while not (points / "fired").exists() and time.monotonic() < deadline and not self.stop.wait(0.05):
             pass
-        arm.unlink()
-        if held.exists():
-            held.unlink()
-            self.point_kills += 1
+        self._fired(points)
+
+    def _fired(self, points: Path) -> bool:
+        """Count the point a process died at, if one did."""
+        fired = points / "fired"
+        try:
+            point = fired.read_text()
+        except FileNotFoundError:
+            return False
+        fired.unlink()
+        self.point_kills += 1
+        self.point_counts[f"crash point {point}"] += 1
+        return True
 
     def _start(self, i: int, *, tries: int = 10) -> None:
+        """Start gateway ``i`` again, with a new point drawn; a point left armed stays so through its start-up
+        reconcile (a start that dies there is tried again), then is disarmed."""
+        gw = self.gateways[i]
         if self.clocks is not None:
-            self.gateways[i].extra_env |= self.clocks.env()
-        for _ in range(tries - 1):
-            try:
-                self.gateways[i].start()
-                return
-            except RuntimeError:
-                self.failed_starts += 1
-                time.sleep(0.5)
-        self.gateways[i].start()
+            gw.extra_env |= self.clocks.env()
+        if self.points is not None:
+            gw.extra_env |= crash_env(self.rng, self.points)
+        try:
+            for _ in range(tries - 1):
+                try:
+                    gw.start()
+                    return
+                except RuntimeError:
+                    if self.points is None or not self._fired(self.points):  # else it died at its point
+                        self.failed_starts += 1
+                    time.sleep(0.5)
+            gw.start()
+        finally:
+            if self.points is not None:
+                (self.points / "arm").unlink(missing_ok=True)
+                self._fired(self.points)
+
+
+def crash_env(rng: random.Random, points: Path) -> dict[str, str]:
+    """The environment of a gateway that kills itself at one point of the table, drawn at random, the first time
+    the point is reached while ``points/arm`` exists (tests/e2e/faults/sitecustomize.py)."""
+    point = rng.choice(sorted(CRASH_POINTS))
+    return {
+        "PYTHONPATH": f"{FAULTS}{os.pathsep}{REPO}",
+        "KVGATE_TEST_CRASH": f"{point}:1",
+        "KVGATE_TEST_CRASH_DIR": str(points),
+    }
 
 
 def _holding_removed(pids: list[int], path: Path) -> bool:
@@ -286,7 +320,7 @@ def run_fs(
     if "points" in nemesis:
         points = root / "points"
         points.mkdir(exist_ok=True)
-        env |= {"PYTHONPATH": f"{FAULTS}{os.pathsep}{REPO}", "KVGATE_TEST_FAULT": f"removed:{points}"}
+        env |= crash_env(random.Random(seed + 6), points)
     clocks = Clocks(random.Random(seed + 5), counts) if "clock" in nemesis else None
     processes = 2 if "workers" in nemesis else 1
     gw = Gateway(root / "data", env=env | (clocks.env() if clocks is not None else {}), workers=processes).start()
@@ -312,7 +346,8 @@ def run_fs(
         for t in threads:
             t.join(300)
     counts["gateway kill -9"] = faults.kills
-    counts["gateway kill -9 right after a row removal (fault point)"] = faults.point_kills
+    counts["gateway crash at a named point (all points)"] = faults.point_kills
+    counts.update(faults.point_counts)
     counts["gc kill -9"] = tools.runs["gc kill -9"]
     counts["import kill -9"] = tools.runs["import kill -9"]
     counts["coordination file removed under the gateway and tools"] = faults.coord_losses

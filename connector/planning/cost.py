@@ -74,6 +74,14 @@ class LoadOutcome:
     seconds: float
     expired: bool
     """The load ran out of its deadline before every block was loaded."""
+    prefetched: int = 0
+    """Bytes taken from blocks fetched at the request's arrival (connector/worker/prefetch.py): they crossed the link
+    before the load was timed, so a load with any is no measure of the link (``measures_link``)."""
+
+    @property
+    def measures_link(self) -> bool:
+        """Its bytes over its seconds are the link's bandwidth: every block it loaded was read while it was timed."""
+        return self.prefetched == 0
 
     def merge(self, other: LoadOutcome) -> LoadOutcome:
         """The same request's load on another rank: the ranks read at once, so bytes add and the slowest counts."""
@@ -82,6 +90,7 @@ class LoadOutcome:
             nbytes=self.nbytes + other.nbytes,
             seconds=max(self.seconds, other.seconds),
             expired=self.expired or other.expired,
+            prefetched=self.prefetched + other.prefetched,
         )
 
 

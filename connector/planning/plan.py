@@ -386,7 +386,7 @@ class SchedulerPlanner:
         self.stats.actual_load_s += outcome.seconds
         if req is not None and req.decision is not None:
             self.stats.predicted_load_s += req.decision.predicted_load_s
-        if self.cost is not None:
+        if self.cost is not None and outcome.measures_link:  # prefetched bytes crossed the link before it was timed
             self.cost.observe_load(nbytes=outcome.nbytes, seconds=outcome.seconds, now=time.monotonic())
 
     def after_alloc(self, *, req_id: str, block_ids: Sequence[Sequence[int]], num_external_tokens: int) -> None:

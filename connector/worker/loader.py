@@ -65,7 +65,7 @@ class BlockLoader:
         until = None if job.deadline_s is None else asyncio.get_running_loop().time() + job.deadline_s
         windows = [(s, min(n, s + self.window)) for s in range(0, n, self.window)]
         loaded, read_s, scatter_s = 0, 0.0, 0.0
-        arrived = [0]
+        arrived = [0, 0]  # bytes of the GETs that completed, bytes taken from prefetched blocks
         reads = [asyncio.ensure_future(self._read(job, *windows[0], until, arrived))] if windows else []
         try:
             for i, (start, end) in enumerate(windows):
@@ -105,14 +105,14 @@ class BlockLoader:
             read_s,
             scatter_s,
         )
-        return LoadOutcome(loaded=loaded, nbytes=arrived[0], seconds=seconds, expired=expired)
+        return LoadOutcome(loaded=loaded, nbytes=arrived[0], seconds=seconds, expired=expired, prefetched=arrived[1])
 
     async def _read(self, job: BlockJob, start: int, end: int, until: float | None, arrived: list[int]) -> Window:
         """Take the window's buffers and GET its blocks into them; how many blocks, from ``start``, are whole.
 
         ``until`` (loop time): the GETs still in flight then are cancelled, and their blocks are not whole.
         ``arrived[0]`` counts the bytes of every GET that completed (a block taken from the prefetched ones is no GET
-        of this load: its bytes are not the load's to measure)."""
+        of this load: its bytes are not the load's to measure; ``arrived[1]`` counts those)."""
         buffers: list[HostBuffer] = []
         gets: list[asyncio.Task[bool]] = []
         taken = [0]
@@ -146,6 +146,7 @@ class BlockLoader:
                 log.error("load read of req=%s crashed: %r", job.req_id, exc)
         width = len(buffers)
         arrived[0] += sum(self.transfers[j % width].block_bytes() for j, good in enumerate(ok) if good) - taken[0]
+        arrived[1] += taken[0]
         got = next((b for b in range(end - start) if not all(ok[b * width : (b + 1) * width])), end - start)
         return got, buffers
 

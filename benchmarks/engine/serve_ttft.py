@@ -65,10 +65,12 @@ class Server(LoopbackProcess):
         role: str = "kv_both",
         extra: dict[str, object] | None = None,
         tp: int = 1,
+        engine_args: list[str] | None = None,
     ) -> None:
         super().__init__(port=None, log_path_for=lambda p: work / f"serve-{label}-{p}.log")
         self.python, self.model, self.url_gw, self.max_len = python, model, url, max_len
         self.role, self.extra, self.tp = role, dict(extra or {}), tp
+        self.engine_args = list(engine_args or [])
 
     def start(self) -> Server:
         argv = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model)]
@@ -76,6 +78,7 @@ class Server(LoopbackProcess):
         argv += ["--dtype", "float32", "--max-model-len", str(self.max_len), "--seed", "0"]
         if self.tp > 1:
             argv += ["--tensor-parallel-size", str(self.tp), "--distributed-executor-backend", "mp"]
+        argv += self.engine_args
         if self.url_gw is not None:
             extra = {"url": self.url_gw, "timeout_s": 10, "retries": 1, **self.extra}
             kv: dict[str, object] = {"kv_connector": "KVGateConnector", "kv_connector_module_path": "connector.vllm"}
@@ -225,6 +228,9 @@ def main() -> None:
     ap.add_argument(
         "--connector", action="append", default=[], metavar="KEY=JSON", help="a kvgate connector setting (repeatable)"
     )
+    ap.add_argument(
+        "--engine-arg", action="append", default=[], metavar="ARG", help="a vllm serve argument (repeatable)"
+    )
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--work", type=Path, default=None, help="keep the servers' logs there (default: a temp dir)")
     a = ap.parse_args()
@@ -251,7 +257,16 @@ def main() -> None:
         try:
 
             def server(label: str, url: str | None) -> Server:
-                srv = Server(python=py, model=model, work=work, label=label, url=url, max_len=max_len, extra=extra)
+                srv = Server(
+                    python=py,
+                    model=model,
+                    work=work,
+                    label=label,
+                    url=url,
+                    max_len=max_len,
+                    extra=extra,
+                    engine_args=a.engine_arg,
+                )
                 srv.start()
                 # as tests/engine/driver.py warms up: a short prompt twice (a first forward, and the path of a
                 # cached prefix): no figure pays a process's one-off costs

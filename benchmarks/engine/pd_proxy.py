@@ -48,6 +48,7 @@ from loopback.tiny_model import words
 
 BLOCK = 32
 """``--block-size`` of every instance (benchmarks/engine/serve_ttft.py's ``Server``)."""
+HITS = "vllm:external_prefix_cache_hits_total"
 
 
 class Proxy(LoopbackProcess):
@@ -86,13 +87,6 @@ async def completions(url: str, model: str, prompts: list[str], n: int, *, toget
         if together:
             return list(await asyncio.gather(*(complete(s, url, model, p, n) for p in prompts)))
         return [await complete(s, url, model, p, n) for p in prompts]
-
-
-def counter(url: str, name: str) -> float:
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith(name) and not line.startswith("#"):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 def requests_by_route(gw: str) -> dict[str, float]:
@@ -216,14 +210,14 @@ def main() -> None:
             d = serve("D", gw.url, "kv_consumer")
             proxy = Proxy(work=work, prefill=p.url, decode=d.url).start()
             try:
-                hits0 = counter(d.url, "vllm:external_prefix_cache_hits_total")
+                hits0 = d.metrics()[HITS]
                 t = time.perf_counter()
                 got_one = asyncio.run(completions(proxy.url, m, one, a.max_tokens, together=False))
                 out["one_at_a_time_s"] = time.perf_counter() - t
                 t = time.perf_counter()
                 got_many = asyncio.run(completions(proxy.url, m, many, a.max_tokens, together=True))
                 out["at_once_s"] = time.perf_counter() - t
-                hits = counter(d.url, "vllm:external_prefix_cache_hits_total") - hits0
+                hits = d.metrics()[HITS] - hits0
                 want = sum(full_blocks(g["prompt_tokens"]) for g in got_one + got_many)
                 out["d_external_hit_tokens"], out["full_block_tokens"] = hits, want
                 problems += compare(ref_one + ref_many, got_one + got_many, a.tolerance)

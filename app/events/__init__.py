@@ -7,8 +7,9 @@ Three parts, each in its own module of this package (``app/events``):
   log in the change's own transaction, whoever commits it: a gateway process or replica, ``kvgate gc``,
   ``kvgate import``, reconcile. So an event exists iff its change committed, and it survives any crash.
   :class:`EventWriter` is what a gateway process adds to that: the writer's block meta (the PUT's token ids and
-  parent, handed down with the PUT: app/core/event_sink.py) and whether the row waits for its parent's (a PUT of
-  the parent in progress here: see app/events/order.py), and a release row when such a PUT ends without a store.
+  parent, handed down with the PUT: app/core/event_sink.py; kept in the row as one value, the header's own form,
+  whose fields the index never reads) and whether the row waits for its parent's (a PUT of the parent in progress
+  here: see app/events/order.py), and a release row when such a PUT ends without a store.
 - **The publisher** (app/events/publisher.py): one process at a time (the others stand by) tails the log,
   encodes each row on its own (a row the codec refuses is dropped alone), puts parents first, groups rows by topic
   into batches, numbers them from the number it persisted, stores them with where it stands in one transaction, then

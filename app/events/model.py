@@ -9,7 +9,7 @@ from typing import Any, Literal, Protocol
 from app.events.wire import EventCodec
 from app.index.eventlog import STORED, LogRow
 from contract.keys import block_path, parse_block_key
-from contract.wire import BlockMetaValue
+from contract.wire import BlockMetaValue, parse_block_meta
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,12 +56,11 @@ class Event:
 
 def event_of(row: LogRow, codec: EventCodec | None) -> Event:
     """A log row's event, encoded with ``codec`` (EventEncodeError if it cannot be; InvalidKey for a key that is
-    not a block's, which no change writes)."""
+    not a block's, which no change writes; MalformedHeader for a stored block meta this release cannot read, as a
+    newer one's field would be)."""
     k = parse_block_key(row.key)
     kind: Literal["stored", "removed"] = "stored" if row.kind == STORED else "removed"
-    meta = None
-    if row.tokens is not None or row.parent is not None:
-        meta = BlockMetaValue(parent=row.parent, tokens=row.tokens or ())
+    meta = None if row.meta is None else parse_block_meta(row.meta)
     wire = b""
     if codec is not None:
         wire = codec.encode(

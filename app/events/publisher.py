@@ -40,6 +40,7 @@ from app.events.wire import EventCodec, EventEncodeError, ModelNames, Topics
 from app.index import Index
 from app.index.eventlog import CONFIG_REMOVED, RELEASE, Horizon, LoggedBatch, LogRow
 from contract.keys import InvalidKey
+from contract.wire import MalformedHeader
 
 log = logging.getLogger("kvgate.events")
 
@@ -190,10 +191,10 @@ class Publisher:
         return self._order.add(event) + self._ended(row.token)
 
     def _encode(self, row: LogRow) -> Event | None:
-        """The row's event; None if the codec refuses it (dropped alone, logged)."""
+        """The row's event; None if the codec refuses it or its block meta cannot be read (dropped alone, logged)."""
         try:
             return event_of(row, self.codec)
-        except (EventEncodeError, InvalidKey) as exc:
+        except (EventEncodeError, InvalidKey, MalformedHeader) as exc:
             self.dropped += 1
             log.error("event dropped key=%s: %s", row.key[:600], exc)
             return None

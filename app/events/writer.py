@@ -52,7 +52,7 @@ class EventWriter:
                 k = parse_block_key(key)
                 parent = block_path(namespace=k.namespace, rank=k.rank, block_hash=meta.parent, group=k.group)
                 waits_for = self._brackets.hold_for(parent) if parent != key else ()
-        return LogNote(token_ids=meta.tokens, parent=meta.parent, waits_for=waits_for, token=token)
+        return LogNote(meta=meta.header(), waits_for=waits_for, token=token)
 
     def stored(self, record: BlockRecord, put: PutInProgress | None) -> None:
         if put is not None and put.key == record.key:

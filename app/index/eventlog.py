@@ -56,9 +56,8 @@ class LogRow:
     key: str
     size: int
     digest: str
-    tokens: tuple[int, ...] | None
-    """None: the writer sent no block meta."""
-    parent: str | None
+    meta: str | None
+    """The block meta the writer sent, as it sent it (``LogNote.meta``); None: none."""
     waits_for: tuple[int, ...]
     """Tokens of the PUTs of the parent this row waits for (app/events/order.py)."""
     token: int | None
@@ -141,15 +140,14 @@ def _log_row(r: Any) -> LogRow:
         key=r[2],
         size=int(r[3]),
         digest=r[4],
-        tokens=None if r[5] is None else _ids(r[5]),
-        parent=r[6],
-        waits_for=_ids(r[7] or ""),
-        token=None if r[8] is None else int(r[8]),
-        model=r[9],
+        meta=r[5],
+        waits_for=_ids(r[6] or ""),
+        token=None if r[7] is None else int(r[7]),
+        model=r[8],
     )
 
 
-_LOGGED = ("kind", "key", "size", "digest", "tokens", "parent", "waits_for", "token")
+_LOGGED = ("kind", "key", "size", "digest", "meta", "waits_for", "token")
 """The columns a change's row is written with, in the order of ``EventLog._log``'s values."""
 
 _COLUMNS = (
@@ -158,8 +156,7 @@ _COLUMNS = (
     EventLogRow.key,
     EventLogRow.size,
     EventLogRow.digest,
-    EventLogRow.tokens,
-    EventLogRow.parent,
+    EventLogRow.meta,
     EventLogRow.waits_for,
     EventLogRow.token,
     EventLogRow.model,
@@ -198,8 +195,7 @@ class EventLog:
             key,
             size,
             digest,
-            None if note is None or note.token_ids is None else _join(note.token_ids),
-            None if note is None else note.parent,
+            None if note is None else note.meta,
             _join(note.waits_for) if note is not None and note.waits_for else None,
             None if note is None else note.token,
         )

@@ -98,10 +98,10 @@ class EventLogRow(Base):
     key: Mapped[str] = mapped_column(String(512))
     size: Mapped[int] = mapped_column(BigInteger)
     digest: Mapped[str] = mapped_column(String(80))
-    tokens: Mapped[str | None] = mapped_column(Text, nullable=True)
-    """The writer's token ids, comma-separated (NULL: the writer sent no block meta)."""
-    parent: Mapped[str | None] = mapped_column(String(128), nullable=True)
-    """The parent block's hash, hex, as the writer sent it."""
+    meta: Mapped[str | None] = mapped_column(Text, nullable=True)
+    """The block meta the writer sent, whole, in the header's own form (``contract.wire.BlockMetaValue.header``;
+    NULL: the writer sent none). One value, never a column per field: a new field of the meta changes no table
+    (alembic 0009 folded the per-field columns of 0006 into it)."""
     waits_for: Mapped[str | None] = mapped_column(Text, nullable=True)
     """The tokens of the PUTs of the parent that were in progress in the committing process and had not queued their
     change, comma-separated: each owes a row of the parent's key after this one (its store, or a release row), and

@@ -57,10 +57,9 @@ class LogNote:
     """What a change's writer adds to its event-log row (app/index/eventlog.py): the block meta it sent, the PUTs of
     its parent it waits for, and the PUT's own token when children wait for it."""
 
-    token_ids: tuple[int, ...] | None = None
-    """None: no block meta was sent."""
-    parent: str | None = None
-    """The parent block's hash, hex."""
+    meta: str | None = None
+    """The block meta the writer sent, in its one serialized form (``contract.wire.BlockMetaValue.header``): the
+    index stores it as it is and never reads its fields. None: no block meta was sent."""
     waits_for: tuple[int, ...] = ()
     """The tokens of the PUTs of the parent in progress in the committing process that had not queued their change
     (each owes a row of the parent's key after this one: the row waits for them)."""

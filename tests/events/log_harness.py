@@ -6,8 +6,9 @@ import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from app.index import BlockRecord, Index, make_engine
+from app.index import BlockRecord, Index, LogNote, make_engine
 from app.index.migrate import upgrade_head
+from contract.wire import BlockMetaValue
 
 FIRST_SEQ = 1000
 
@@ -42,3 +43,8 @@ def record(key: str, *, size: int = 1, digest: str = "0" * 64, stamp: str | None
         hits=0,
         stamp=stamp,
     )
+
+
+def note(*tokens: int, parent: str | None = None, waits_for: tuple[int, ...] = (), token: int | None = None) -> LogNote:
+    """A writer's note with the block meta ``parent``/``tokens``, as app/events/writer.py makes it."""
+    return LogNote(meta=BlockMetaValue(parent=parent, tokens=tokens).header(), waits_for=waits_for, token=token)

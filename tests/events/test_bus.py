@@ -13,10 +13,9 @@ from app.events.model import Batch
 from app.events.publisher import Publisher
 from app.events.wire import EventCodec, KVEventBatch, ModelNames, Topics
 from app.events.writer import EventWriter
-from app.index import LogNote
 from contract.keys import namespace_for
 from tests.conftest import agnostic_fields, key_for
-from tests.events.log_harness import log_index, record, sqlite_url
+from tests.events.log_harness import log_index, note, record, sqlite_url
 
 A = namespace_for(agnostic_fields("org-a/model-a"))
 B = namespace_for(agnostic_fields("org-b/model-b"))
@@ -49,8 +48,8 @@ def test_refused_event_dropped_alone_and_batches_split_by_model(tmp_path: Path) 
             await publisher.resume()
             first = publisher.next_seq
             for i, (ns, parent) in enumerate([(A, "ab" * 8), (B, "a" * 17), (B, None), (A, None), (A, "cd" * 32)]):
-                # a parser would refuse "a" * 17; the codec does
-                await index.swap_block(record(key_for(i, namespace=ns)), note=LogNote(token_ids=(i,), parent=parent))
+                # "a" * 17 is no parent the header grammar reads: that event is dropped alone
+                await index.swap_block(record(key_for(i, namespace=ns)), note=note(i, parent=parent))
             await publisher.round()
             assert publisher.dropped == 1
             assert [s for s, _t, _b in sink.sent] == [first, first + 1]  # no number spent on the refused one

@@ -17,11 +17,11 @@ from app.events.model import Batch
 from app.events.publisher import LostTurn, Publisher
 from app.events.setup import model_lookup
 from app.events.wire import ModelNames, Topics
-from app.index import ABSENT, Index, LogNote, make_engine
+from app.index import ABSENT, Index, make_engine
 from app.index.eventlog import STORED, Horizon, Snapshot
 from app.index.migrate import alembic_config, upgrade_head
 from tests.conftest import key_for
-from tests.events.log_harness import FIRST_SEQ, log_index, record
+from tests.events.log_harness import FIRST_SEQ, log_index, note, record
 
 
 @pytest.fixture
@@ -53,14 +53,14 @@ async def test_a_row_iff_the_change_committed(index: Index) -> None:
     assert not (await index.swap_block(record(a, digest="b" * 64), expect=ABSENT)).written  # create-only, present
     assert not (await index.swap_block(record(a, digest="b" * 64), expect="other")).written  # not the version seen
     assert (await index.swap_block(record(a, digest="a" * 64, stamp="s3"), expect="s1")).written  # a re-stamp
-    assert (await index.swap_block(record(a, digest="c" * 64, size=2), note=LogNote(token_ids=(1, 2)))).written
+    assert (await index.swap_block(record(a, digest="c" * 64, size=2), note=note(1, 2))).written
     assert await index.remove_block(b) is None  # nothing there
     assert await index.remove_block(a, expect="s1") is None  # not the version seen
     assert await index.remove_block(a) is not None
     rows = await index.event_log.rows(after=0, upto=1 << 62, limit=100)
-    assert [(r.kind, r.key, r.digest, r.tokens) for r in rows] == [
+    assert [(r.kind, r.key, r.digest, r.meta) for r in rows] == [
         (STORED, a, "a" * 64, None),
-        (STORED, a, "c" * 64, (1, 2)),
+        (STORED, a, "c" * 64, "tokens=1,2"),
         (1, a, "c" * 64, None),
     ]
 
@@ -148,18 +148,18 @@ async def test_held_rows_wait_for_the_puts_of_their_parent_across_a_restart(inde
     sent = Sent()
     publisher = Publisher(index=index, sinks=[sent])
     await publisher.resume()
-    await index.swap_block(record(child), note=LogNote(token_ids=(3,), parent=h[parent], waits_for=(7,)))
-    await index.swap_block(record(grandchild), note=LogNote(token_ids=(5,), parent=h[child]))  # behind its parent
+    await index.swap_block(record(child), note=note(3, parent=h[parent], waits_for=(7,)))
+    await index.swap_block(record(grandchild), note=note(5, parent=h[child]))  # behind its parent
     await index.swap_block(record(other))
     await publisher.round()
     assert sent.keys() == [("stored", other)]
 
     publisher = Publisher(index=index, sinks=[sent])  # a restart: the held rows are read again
     await publisher.resume()
-    await index.swap_block(record(parent, digest="e" * 64), note=LogNote(token_ids=(1,), token=8))  # not that PUT
+    await index.swap_block(record(parent, digest="e" * 64), note=note(1, token=8))  # not that PUT
     await publisher.round()
     assert sent.keys() == [("stored", other), ("stored", parent)]
-    await index.swap_block(record(parent), note=LogNote(token_ids=(1,), token=7))
+    await index.swap_block(record(parent), note=note(1, token=7))
     await publisher.round()
     assert sent.keys() == [
         ("stored", other),
@@ -169,9 +169,7 @@ async def test_held_rows_wait_for_the_puts_of_their_parent_across_a_restart(inde
         ("stored", grandchild),
     ]
 
-    await index.swap_block(
-        record(child, digest="f" * 64), note=LogNote(token_ids=(3,), parent=h[parent], waits_for=(9,))
-    )
+    await index.swap_block(record(child, digest="f" * 64), note=note(3, parent=h[parent], waits_for=(9,)))
     await publisher.round()
     assert sent.keys()[-1] == ("stored", grandchild)
     await index.event_log.release(parent, token=9)  # that PUT of the parent ended without a store
@@ -189,8 +187,8 @@ async def test_a_child_held_behind_its_held_parent_stays_behind_it_across_a_rest
     sent = Sent()
     publisher = Publisher(index=index, sinks=[sent])
     await publisher.resume()
-    await index.swap_block(record(child), note=LogNote(token_ids=(5,), parent=h[parent], waits_for=(8,)))
-    await index.swap_block(record(parent), note=LogNote(token_ids=(3,), parent=h[grandparent], waits_for=(7,), token=8))
+    await index.swap_block(record(child), note=note(5, parent=h[parent], waits_for=(8,)))
+    await index.swap_block(record(parent), note=note(3, parent=h[grandparent], waits_for=(7,), token=8))
     await publisher.round()
     assert sent.keys() == []
 
@@ -198,7 +196,7 @@ async def test_a_child_held_behind_its_held_parent_stays_behind_it_across_a_rest
     await publisher.resume()
     await publisher.round()
     assert sent.keys() == []
-    await index.swap_block(record(grandparent), note=LogNote(token_ids=(1,), token=7))
+    await index.swap_block(record(grandparent), note=note(1, token=7))
     await publisher.round()
     assert sent.keys() == [("stored", grandparent), ("stored", parent), ("stored", child)]
 
@@ -208,7 +206,7 @@ async def test_a_held_row_goes_after_events_hold_s_without_its_parent(index: Ind
     publisher = Publisher(index=index, sinks=[sent], hold_s=0.0)
     await publisher.resume()
     parent_hash = key_for(1).rsplit("/", 1)[1].removesuffix(".bin")
-    await index.swap_block(record(key_for(2)), note=LogNote(token_ids=(3,), parent=parent_hash, waits_for=(5,)))
+    await index.swap_block(record(key_for(2)), note=note(3, parent=parent_hash, waits_for=(5,)))
     await publisher.round()  # read and held; the wait is over at once
     await publisher.round()
     assert sent.keys() == [("stored", key_for(2))]

@@ -58,3 +58,14 @@ def test_format_round_trips_and_stays_within_the_limits() -> None:
     assert longest is None  # over 8 KiB
     fits = format_block_meta(parent=PARENT, tokens=[99999] * MAX_META_TOKENS)
     assert fits is not None and parse_block_meta(fits).tokens == (99999,) * MAX_META_TOKENS
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["", "tokens=5", f"parent={PARENT}", f"parent={PARENT.upper()}; tokens=0,7,151643", "tokens=1,2; ", "parent="],
+)
+def test_the_stored_form_reads_back_equal(value: str) -> None:
+    """The event log keeps a meta as ``header()`` (app/index/eventlog.py): whatever the gateway accepted, the
+    publisher reads back the same meta."""
+    meta = parse_block_meta(value)
+    assert parse_block_meta(meta.header()) == meta

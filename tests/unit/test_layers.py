@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -293,3 +294,61 @@ def test_the_connector_wings_have_no_import_cycle() -> None:
         assert free, {w: edges[w] - set(order) for w in edges if w not in order}
         order += free
     assert _cycles(("connector",)) == []
+
+
+def _block_meta_fields() -> set[str]:
+    """The fields of the block meta the writers send (``contract.wire.BlockMetaValue``), read from its class."""
+    cls = next(
+        node
+        for node in ast.walk(TREES["contract.wire"])
+        if isinstance(node, ast.ClassDef) and node.name == "BlockMetaValue"
+    )
+    return {s.target.id for s in cls.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+
+
+def _docstrings(tree: ast.Module) -> set[int]:
+    """The ids of a module's docstring nodes (prose: they may say "parent" as a word)."""
+    return {
+        id(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+    }
+
+
+def _names_of(tree: ast.Module, words: set[str]) -> list[str]:
+    """Where code names one of ``words``: an identifier, attribute, argument, keyword or column, or a word of a string
+    that is not a docstring (SQL, a column's name)."""
+    prose = _docstrings(tree)
+    found = []
+    for node in ast.walk(tree):
+        names: set[str] = set()
+        if isinstance(node, ast.Name):
+            names = {node.id}
+        elif isinstance(node, ast.Attribute):
+            names = {node.attr}
+        elif isinstance(node, ast.arg | ast.keyword) and node.arg is not None:
+            names = {node.arg}
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose:
+            names = set(re.findall(r"\w+", node.value))
+        found += [f"{getattr(node, 'lineno', '?')} {name}" for name in sorted(names & words)]
+    return found
+
+
+# the revisions that made the event log's column per block-meta field (0006) and folded them into one value (0009)
+META_COLUMN_REVISIONS = ("0006_event_log.py", "0009_event_meta.py")
+
+
+def test_a_new_block_meta_field_changes_nothing_in_the_index_or_alembic() -> None:
+    """The event log keeps the block meta as one value, the header's own form (app/index/eventlog.py): a new field
+    is its grammar (contract/wire.py), its JSON and its vLLM encoding (app/events/), and nothing under app/index or
+    alembic/ names it, or any field of the meta (issue 44). Before 0009 a field was a column, a row's attribute and
+    a writer's argument there."""
+    fields = _block_meta_fields()
+    assert fields >= {"parent", "tokens"}
+    named = [
+        f"{mod}:{where}" for mod, tree in TREES.items() if _under(mod, "app.index") for where in _names_of(tree, fields)
+    ]
+    for path in sorted((REPO / "alembic").rglob("*.py")):
+        if path.name not in META_COLUMN_REVISIONS:
+            named += [f"{path.relative_to(REPO)}:{w}" for w in _names_of(ast.parse(path.read_text()), fields)]
+    assert named == []

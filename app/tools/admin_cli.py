@@ -264,8 +264,3 @@ def scrub(
     ):
         table.add_row(what, str(value))
     console.print(table)
-
-
-def register(cli: typer.Typer) -> None:
-    for fn in (ls, stats, purge, gc, scrub):
-        cli.command()(fn)

@@ -1,18 +1,72 @@
-"""The ``kvgate`` command: serve, and the operator's tools."""
+"""The ``kvgate`` command: serve, and the operator's tools.
+
+A command's module is imported when that command runs (or its help is shown), not at every start: ``kvgate serve``
+loads no load generator, importer or table printer, and ``kvgate stats`` no index, migrations or server.
+"""
 
 from __future__ import annotations
 
+import importlib
 import socket
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from typer.core import TyperCommand, TyperGroup
+from typer.main import get_command_from_info
+from typer.models import CommandInfo
 
-from app.settings_help import error_lines, help_epilog, is_settings_error, markdown_table
-from app.tools.admin_cli import register as register_admin_commands
-from app.tools.bench import bench_command
-from app.tools.events_cli import events_command
-from app.tools.importer import import_command
+if TYPE_CHECKING:
+    from typer import _click as click  # typer's own copy of click: its types, for the overrides' signatures
+
+LAZY_COMMANDS: dict[str, tuple[str, str]] = {
+    "bench": ("app.tools.bench", "bench_command"),
+    "import": ("app.tools.importer", "import_command"),
+    "events": ("app.tools.events_cli", "events_command"),
+    "ls": ("app.tools.admin_cli", "ls"),
+    "stats": ("app.tools.admin_cli", "stats"),
+    "purge": ("app.tools.admin_cli", "purge"),
+    "gc": ("app.tools.admin_cli", "gc"),
+    "scrub": ("app.tools.admin_cli", "scrub"),
+}
+"""The commands defined in modules of their own: name -> (module, function), in the order help lists them."""
+
+
+class _LazyGroup(TyperGroup):
+    """The root group: the commands of :data:`LAZY_COMMANDS` are built from their module when first asked for."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._loaded: dict[str, click.Command] = {}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        names = super().list_commands(ctx)
+        groups = [n for n in names if isinstance(self.commands[n], TyperGroup)]  # typer lists them last
+        return [*(n for n in names if n not in groups), *LAZY_COMMANDS, *groups]
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in LAZY_COMMANDS:
+            return super().get_command(ctx, cmd_name)
+        if cmd_name not in self._loaded:
+            module, function = LAZY_COMMANDS[cmd_name]
+            callback: Callable[..., Any] = getattr(importlib.import_module(module), function)
+            info = CommandInfo(name=cmd_name, callback=callback)
+            self._loaded[cmd_name] = get_command_from_info(
+                info, pretty_exceptions_short=True, rich_markup_mode=self.rich_markup_mode
+            )
+        return self._loaded[cmd_name]
+
+
+class _ServeCommand(TyperCommand):
+    """``serve``: its help ends with every setting, listed from the Settings model when the help is shown."""
+
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        from app.settings_help import help_epilog
+
+        self.epilog = help_epilog()
+        super().format_help(ctx, formatter)
+
 
 EXIT_CODES = (
     "Exit codes: 0 done; 1 the command ran and something failed (an HTTP error from the gateway, blocks that "
@@ -20,7 +74,12 @@ EXIT_CODES = (
     "or setting, the gateway unreachable, a missing directory)."
 )
 
-cli = typer.Typer(help="kvgate: a KV-cache block gateway for LLM inference.", no_args_is_help=True, epilog=EXIT_CODES)
+cli = typer.Typer(
+    cls=_LazyGroup,
+    help="kvgate: a KV-cache block gateway for LLM inference.",
+    no_args_is_help=True,
+    epilog=EXIT_CODES,
+)
 
 
 @cli.callback()
@@ -28,7 +87,7 @@ def _root() -> None:
     """kvgate: a KV-cache block gateway for LLM inference."""
 
 
-@cli.command(epilog=help_epilog())
+@cli.command(cls=_ServeCommand)
 def serve(
     host: Annotated[str | None, typer.Option(help="bind address [env KVGATE_HOST; default 127.0.0.1]")] = None,
     port: Annotated[int | None, typer.Option(help="port [env KVGATE_PORT; default 8750]")] = None,
@@ -132,13 +191,13 @@ def settings_command(
     markdown: Annotated[bool, typer.Option("--markdown", help="the table of docs/settings.md")] = False,
 ) -> None:
     """List every setting: environment variable, default, meaning."""
+    from app.settings_help import markdown_table, rows
+
     if markdown:
         typer.echo(markdown_table())
         return
     from rich.console import Console
     from rich.table import Table
-
-    from app.settings_help import rows
 
     table = Table("variable", "default", "meaning")
     for row in rows():
@@ -168,14 +227,6 @@ def migrate(
     typer.echo(f"index at head: {settings.resolved_db_url.split('://')[0]}")
 
 
-cli.command(name="bench")(bench_command)
-cli.command(name="import")(import_command)
-cli.command(name="events")(events_command)
-
-
-register_admin_commands(cli)
-
-
 def main() -> None:
     """The console script: a bad setting is one line per problem on stderr and exit code 2, never a traceback."""
     import sys
@@ -183,6 +234,8 @@ def main() -> None:
     try:
         cli()
     except Exception as exc:
+        from app.settings_help import error_lines, is_settings_error
+
         if not is_settings_error(exc):
             raise
         for line in error_lines(exc):  # type: ignore[arg-type]

@@ -443,8 +443,12 @@ class FilesystemStore(BlockStore):
         """A descriptor of the key's file if it is version ``stamp`` of ``size`` bytes and reading it will not wait
         on the disk, opened here and now (the GET lane sends it with ``sendfile``, app/api/server/get_lane.py);
         None for anything else (the reader of :meth:`open` then serves it). Inline reads off (``inline_bytes`` 0: a
-        data root whose metadata or pages the kernel may not hold) is always None. The page cache is probed at the
-        file's first and last byte (``RWF_NOWAIT``): a file written or read lately is cached whole."""
+        data root whose metadata or pages the kernel may not hold) is always None. The page cache is probed once,
+        at the file's first byte (``RWF_NOWAIT``): a file written or read lately is cached whole, and the kernel's
+        LRU ages a file's pages in the order they were touched, so a file written or read from its start loses its
+        first page before the others. A probe is a heuristic, never a guarantee (what it does not see, ``sendfile``
+        reads from the disk): it costs a syscall per GET, so one, not one per end. Not the integrity check: the
+        stamp is."""
         if self._inline <= 0:
             return None
         try:
@@ -454,7 +458,7 @@ class FilesystemStore(BlockStore):
         try:
             st = os.fstat(fd)
             same = st.st_size == size and read_stamp(fd, st) == stamp
-            if same and _cached_at(fd, 0, size) and _cached_at(fd, size - 1, size):
+            if same and _cached_at(fd, 0, size):
                 return fd
         except OSError:
             pass

@@ -156,3 +156,38 @@ async def test_an_io_error_of_an_inline_read_is_the_stores_error(
     async with await store.open(KEY) as reader:
         with pytest.raises(BackendUnavailable, match="read: Input/output error"):
             [c async for c in reader.chunks(start=0, end=reader.size)]
+
+
+async def test_the_get_lanes_open_probes_the_page_cache_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``open_now`` (the GET lane's open: its answer goes out by ``sendfile`` on the event loop) asks the page cache
+    once, at the file's first byte, the page LRU ages out first: a probe is a syscall per GET, and a heuristic
+    (what it does not see, ``sendfile`` reads from the disk); the stamp is the integrity check, not the probe."""
+    data = random_bytes(64 * KiB, seed=7)
+    store = FilesystemStore(root=tmp_path, fsync=False, inline_bytes=1024 * KiB)
+    await store.start()
+    staged = await store.stage(KEY, body(data), size=len(data))
+    await store.publish(staged)
+    real = os.preadv
+    probes: list[int] = []
+    uncached: set[int] = set()
+
+    def probing(fd: int, buffers: Any, offset: int, flags: int = 0) -> int:
+        if flags & os.RWF_NOWAIT:
+            probes.append(offset)
+            if offset in uncached:
+                raise BlockingIOError(errno.EAGAIN, "would block")
+        return real(fd, buffers, offset, flags)
+
+    monkeypatch.setattr(os, "preadv", probing)
+    fd = store.open_now(KEY, stamp=staged.stamp, size=len(data))
+    assert fd is not None
+    try:
+        assert os.pread(fd, len(data), 0) == data
+    finally:
+        os.close(fd)
+    assert probes == [0]
+
+    probes.clear()
+    uncached.add(0)  # the first page gone: the stack's reader serves it (a thread where the cache cannot)
+    assert store.open_now(KEY, stamp=staged.stamp, size=len(data)) is None
+    assert probes == [0]

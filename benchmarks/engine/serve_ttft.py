@@ -132,17 +132,8 @@ def inside(before: dict[str, float], after: dict[str, float]) -> dict[str, float
 
 
 async def ttft(session: aiohttp.ClientSession, url: str, model: str, prompt: str) -> float:
-    """Seconds from sending a streaming completion to its first token."""
-    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True}
-    t = time.perf_counter()
-    first: float | None = None
-    async with session.post(f"{url}/v1/completions", json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.content:
-            if first is None and line.startswith(b"data: {"):
-                first = time.perf_counter() - t
-    if first is None:
-        raise RuntimeError("no token came back")
+    """Seconds from sending a streaming completion (one token) to its first token."""
+    first, _ = await timed(session, url, model, prompt, 1, time.perf_counter())
     return first
 
 

@@ -303,6 +303,7 @@ def main() -> None:
                 out["ttft_d_loading_s"] = d_loading(p.url, d.url, m, fresh(9200))
                 out["ttft_p_s"] = asyncio.run(one_by_one(p.url, m, fresh(9300)))  # P alone: a recompute, beside D
                 out["requests"] = requests_by_route(gw.url)
+                out["d_kvgate"] = d.kvgate()  # D's decisions and waits: why a block was recomputed, if one was
                 out["proxy"] = httpx.get(f"{proxy.url}/healthz").json()
                 got, out["stalled_s"] = stalled_handoff(gw, p.url, d.url, m, stalled, a.max_tokens)
                 problems += [f"stalled gateway: {x}" for x in compare([ref_stalled], [got], a.tolerance)]
@@ -356,6 +357,8 @@ def report(out: dict[str, Any]) -> None:
         )
     print(f"the gateway stopped between P and D: D answered in {out['stalled_s']:.2f} s (recomputing: {rec:.3f} s)")
     print("gateway requests by route:", json.dumps(out["requests"], sort_keys=True))
+    counters = {k.removeprefix("vllm:kvgate_"): v for k, v in out["d_kvgate"].items() if v}
+    print("D's connector counters (non-zero):", json.dumps(counters, sort_keys=True))
     for p in out["problems"]:
         print("PROBLEM:", p)
 

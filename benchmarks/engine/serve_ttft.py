@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import statistics
@@ -182,8 +183,12 @@ async def at_once(url: str, model: str, prompts: list[str]) -> tuple[list[float]
 
 
 def prefetches(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """The connector's prefetch counters over a phase."""
-    return {k.removeprefix("vllm:kvgate_"): v - before.get(k, 0.0) for k, v in after.items() if "prefetch" in k}
+    """The connector's prefetch counters over a phase (its gauge of bytes held: the value after)."""
+    return {
+        k.removeprefix("vllm:kvgate_"): v - (0.0 if k.endswith("_held") else before.get(k, 0.0))
+        for k, v in after.items()
+        if "prefetch" in k
+    }
 
 
 def pid_of(server: LoopbackProcess) -> int:
@@ -277,10 +282,10 @@ def main() -> None:
     suffix = [" ".join(words(24, seed=9500 + i)) for i in range(len(prefixes))]
     ask = [f"{p} {s}" for p, s in zip(prefixes, suffix, strict=True)]
     warm = [f"{p} {' '.join(words(24, seed=9900 + i))}" for i, p in enumerate(prefixes)]
-    hits, together, beside = ask[:n_hit], ask[n_hit : n_hit + n_con], ask[n_hit + n_con : n_hit + 2 * n_con]
-    misses_alone, misses_beside = ask[n_hit + 2 * n_con : n_hit + 2 * n_con + n_miss], ask[-n_miss - 2 * n_behind :]
-    misses_beside = misses_beside[:n_miss]
-    hits_behind, misses_ahead = ask[len(ask) - 2 * n_behind : len(ask) - n_behind], ask[len(ask) - n_behind :]
+    ends = list(itertools.accumulate((0, n_hit, n_con, n_con, n_miss, n_miss, n_behind, n_behind)))
+    hits, together, beside, misses_alone, misses_beside, hits_behind, misses_ahead = (
+        ask[i:j] for i, j in itertools.pairwise(ends)
+    )
     stored = hits + together + beside + hits_behind
     out: dict[str, Any] = {"load_average_before": load_before, "args": vars(a) | {"json": None, "work": None}}
     with tempfile.TemporaryDirectory() as tmp:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -23,13 +22,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+from loopback.gateway import free_port
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def ready(url: str) -> bool:

@@ -96,6 +96,8 @@ class _Request:
     """Its lookup was sent at arrival (``arrived``) and ``matched_tokens`` has not read it yet."""
     asked: int = 0
     """Blocks its lookup asked for."""
+    covered: int = 0
+    """Leading tokens this engine will not prefill: computed, scheduled, or planned for a load."""
 
     def answered(self, _future: object) -> None:
         self.lookup_answered = time.monotonic()
@@ -246,6 +248,8 @@ class SchedulerPlanner:
         if req is None:
             req = _Request(hashes=block_hashes, hash_stride=self.hash_stride, block_ids=[], tokens=token_ids, keep=keep)
             self._requests[req_id] = req
+        req.num_tokens = req.num_tokens or num_tokens
+        req.covered = max(req.covered, num_computed_tokens)
         if not self.lookup_enabled:
             return 0
         if req.lookup is None and not self._look_up(req, expect):
@@ -260,7 +264,7 @@ class SchedulerPlanner:
             self._lookups.discard(req.lookup)
             self.stats.abandoned_lookups += 1
             if self.cost is not None:
-                self.cost.observe_lookup(seconds=waited)
+                self.cost.observe_lookup(seconds=waited - req.wait_s)
             log.warning("lookup of req=%s unanswered after %.3fs: a miss", req_id, waited)
             return 0
         self._lookups.discard(req.lookup)
@@ -272,9 +276,10 @@ class SchedulerPlanner:
         except ConnectorError as exc:
             log.warning("lookup failed req=%s: %s", req_id, exc)
             return 0
-        if self.cost is not None and req.lookup_answered is not None:
+        if self.cost is not None and req.lookup_answered is not None and not req.wait_s:
+            # a P/D request's lookup waited on the gateway for its producer's stores: not a round trip
             self.cost.observe_lookup(seconds=max(0.0, req.lookup_answered - req.lookup_sent))
-            req.lookup_answered = None  # counted once
+        req.lookup_answered = None  # counted once
         if req.arrival:
             req.arrival = False
             if prefix < req.asked * self.keys.keys_per_block and self._look_up(req, expect):
@@ -291,7 +296,28 @@ class SchedulerPlanner:
         if extra and self.cost is not None:
             extra = self._decide(req_id, req, extra)
         req.load_start, req.load_blocks = local, extra
+        req.covered = max(req.covered, (local + extra) * self.block_size)
         return extra * self.block_size if extra else 0
+
+    def looked_up(self, req_id: str) -> bool:
+        """``req_id``'s lookup was sent (a P/D request's wait is decided before that, once)."""
+        req = self._requests.get(req_id)
+        return req is not None and req.lookup is not None
+
+    def handoff_wait_s(self, *, req_id: str, tokens: int, most_s: float) -> float:
+        """How long a consumer's P/D request may wait for its producer's blocks: ``most_s``, and never longer than
+        the cost model predicts its recompute would take on this engine now. That is its own ``tokens`` after the
+        prefill queued ahead of it: every request this planner tracks, first come first served, that has tokens it
+        will neither compute nor load yet (a request ahead still waiting for its own handoff counts whole: it is
+        recomputed if its blocks do not come). With 16 handoffs at once the last may wait for 16 prefills, where a
+        cap of one request's recompute gave up on producers' stores still in flight. No prefill rate measured yet:
+        ``most_s``."""
+        if self.cost is None:
+            return most_s
+        ahead = sum(max(0, r.num_tokens - r.covered) for k, r in self._requests.items() if k != req_id)
+        wait_s = min(most_s, self.cost.predict_recompute_s(tokens=tokens + ahead))
+        log.debug("req=%s waits up to %.3fs for its handoff (%d tokens, %d ahead)", req_id, wait_s, tokens, ahead)
+        return wait_s
 
     def _loadable(self, present: int, *, num_tokens: int) -> int:
         """The leading blocks of ``present`` a prompt of ``num_tokens`` can load: vLLM computes at least the last
@@ -427,6 +453,7 @@ class SchedulerPlanner:
         req = self._requests.get(req_id)
         if req is None:
             return
+        req.covered = max(req.covered, num_computed_tokens + num_scheduled_tokens)
         if new_block_ids is not None:
             if replace or not req.block_ids:
                 req.block_ids = [list(ids) for ids in new_block_ids]

@@ -296,14 +296,18 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if keep:
             self._handoffs.add(request.request_id)
         expect = None
-        if self.consumes and params:
+        if self.consumes and params and not self.planner.looked_up(request.request_id):
             expect = expected(
                 params,
                 url=self.settings.url,
                 namespace=self.naming.namespace,
                 block_size=self.shape.block_size,
                 hashes=self.planner.block_hashes(request.block_hashes),
-                wait_s=self._handoff_wait_s(request.num_tokens - num_computed_tokens),
+                wait_s=self.planner.handoff_wait_s(
+                    req_id=request.request_id,
+                    tokens=request.num_tokens - num_computed_tokens,
+                    most_s=self.settings.handoff_wait_ms / 1000,
+                ),
             )
         n = self.planner.matched_tokens(
             req_id=request.request_id,
@@ -317,13 +321,6 @@ class KVGateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if n is None:
             return None, False
         return n, n > 0
-
-    def _handoff_wait_s(self, tokens: int) -> float:
-        """How long a consumer waits for its producer's blocks: ``handoff_wait_ms``, and never longer than the
-        cost model predicts recomputing the request's ``tokens`` takes (no prefill rate measured yet: no bound)."""
-        wait_s = self.settings.handoff_wait_ms / 1000
-        cost = self.planner.cost if self.planner is not None else None
-        return wait_s if cost is None else min(wait_s, cost.predict_recompute_s(tokens=tokens))
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if self.planner is not None:

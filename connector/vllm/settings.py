@@ -173,7 +173,8 @@ class ConnectorSettings(_ClientSettings):
     predicts (correctness runs, A/B runs against the model)."""
     handoff_wait_ms: float = 2000.0
     """P/D consumer: the longest its lookup waits on the gateway for the blocks its producer named (then it loads
-    what is there and recomputes the rest)."""
+    what is there and recomputes the rest); never longer than its predicted recompute behind the prefills queued
+    ahead of it, once a prefill rate is measured."""
     handoff_store_wait_ms: float = 5000.0
     """P/D producer: the longest its step waits for buffer room for a P/D request's store rather than drop it."""
     prefetch_budget_mib: int = 0

@@ -168,7 +168,7 @@ async def _started(app: FastAPI, *, cfg: Settings) -> AsyncIterator[None]:
         stack = contextlib.AsyncExitStack()
         try:
             backends = await stack.enter_async_context(open_backends(cfg))
-            await stack.enter_async_context(_serving(app, cfg=cfg, backends=backends))
+            await stack.enter_async_context(_serving(app, cfg=cfg, backends=backends, until=deadline))
         except Exception as exc:
             with contextlib.suppress(Exception):
                 await stack.aclose()
@@ -184,8 +184,10 @@ async def _started(app: FastAPI, *, cfg: Settings) -> AsyncIterator[None]:
 
 
 @contextlib.asynccontextmanager
-async def _serving(app: FastAPI, *, cfg: Settings, backends: Backends) -> AsyncIterator[None]:
-    """The core over the opened backends, with events, reconcile and capacity; closed in reverse."""
+async def _serving(app: FastAPI, *, cfg: Settings, backends: Backends, until: float) -> AsyncIterator[None]:
+    """The core over the opened backends, with events, reconcile and capacity; closed in reverse. The steps that
+    may be repeated (reconcile's snapshot and listing, the usage read) are each tried again in place until
+    ``until`` (app/core/patience.py): a lost reply there does not begin start-up again from the top."""
     parts = await event_parts(cfg, index=backends.index)
     app.state.events = None
     async with (
@@ -204,8 +206,9 @@ async def _serving(app: FastAPI, *, cfg: Settings, backends: Backends) -> AsyncI
                 index=core.index,
                 concurrency=cfg.reconcile_concurrency,
                 stale_parts_s=cfg.stale_upload_s,
+                until=until,
             )
-        await core.capacity.start()
+        await core.capacity.start(until=until)
         await core.scrub.start()
         if parts is not None:
             events = await stack.enter_async_context(

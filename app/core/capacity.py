@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator
 
 from app.config import Settings
 from app.core.coordination import Coordinator
+from app.core.patience import patiently
 from app.core.upkeep import Upkeep
 from app.core.usage import Usage
 from app.errors import InsufficientStorage, KVGateError
@@ -73,8 +74,10 @@ class Capacity:
             self.usage.reset(rows)
         return self.usage
 
-    async def start(self) -> None:
-        await self.refresh()
+    async def start(self, *, until: float | None = None) -> None:
+        """The first read of usage (tried again in place until ``until``, start-up's deadline: a read, safe to
+        repeat, whose COMMIT's reply may be lost as any other's), then the background task."""
+        await patiently(self.refresh, what="usage read", until=until)
         self._task = asyncio.create_task(self._loop(), name="kvgate-capacity")
 
     async def close(self) -> None:

@@ -25,7 +25,11 @@ decision is made again from what it finds. A whole reconcile stopped by one lost
 at the next start-up try, and under a link that loses one reply in a few hundred never finished. The tail steps
 defer the same way, each alone: a config's adoption, the sweep of idle uploads, the sweep of part objects (all of it
 when the uploads' rows cannot be read: which parts are described is unknown), the removal of empty part
-directories. The snapshot, the listing and the namespaces' names still fail the whole (nothing to decide from).
+directories. The reads the whole depends on (the snapshot, the listing, the namespaces' names, the expired intents,
+the usage) have nothing to decide from without them: at start-up each is tried again in place until start-up's
+deadline (``until``, app/core/patience.py), so that one lost reply there no longer begins the whole start-up again;
+``kvgate gc`` fails at its first loss. The versions no row names and the expired intents are retired as the keys
+above are, several at once, each deferred alone.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.core.parts import PARTS_PREFIX
+from app.core.patience import patiently
 from app.core.upkeep import Settled, Upkeep
 from app.core.versions import STAGED_MAX_AGE_S
 from app.errors import BackendUnavailable, CorruptData, IndexUnavailable
@@ -132,23 +137,28 @@ async def reconcile(
     concurrency: int = 8,
     stale_parts_s: float = 3600.0,
     progress: Progress | None = None,
+    until: float | None = None,
 ) -> ReconcileReport:
-    """Make the index agree with the store; returns what changed. Safe to run again, and beside live gateways."""
+    """Make the index agree with the store; returns what changed. Safe to run again, and beside live gateways.
+    ``until``: the reads that the whole depends on (the snapshot, the listing, the namespaces' names, the expired
+    intents, the usage) are each tried again in place while the index or the store cannot be reached, until then
+    (``time.monotonic()``; start-up's deadline), instead of failing the whole at their first loss."""
     began = time.monotonic()
     report = ReconcileReport()
     note = progress or (lambda _phase, _done, _total: None)
 
-    for leftover in await store.leftovers():
+    for leftover in await patiently(store.leftovers, what="leftovers", until=until):
         outcome = await _deferring(upkeep.settle_leftover(leftover), report)
         report.temp_removed += outcome == "dropped"
         report.rolled_forward += outcome == "rolled"
 
-    rows = await index.scans.block_versions()
+    rows = await patiently(index.scans.block_versions, what="snapshot", until=until)
+    listing = await patiently(lambda: _listing(store), what="listing", until=until)
     listed: dict[str, ObjectInfo] = {}  # the object each key's reader would open (a versioned store: the row's)
     extra: list[ObjectInfo] = []  # versions no row named when listed (S3): uncommitted, or replaced
     others: list[str] = []
     part_objects: list[ObjectInfo] = []
-    async for info in store.list():
+    for info in listing:
         if info.key.startswith(PARTS_PREFIX):
             part_objects.append(info)
             continue
@@ -212,20 +222,30 @@ async def reconcile(
     # versions no row names (uncommitted, or replaced), once no writer can still be committing them: told by the
     # index's staging intents and its clock (app/index/staging.py), never by this machine's clock against the store's
     unnamed_age = max(stale_parts_s, 2 * STAGED_MAX_AGE_S)
-    for info in extra:
-        if await _deferring(upkeep.retire_unnamed(info.key, stamp=info.stamp, older_than_s=unnamed_age), report):
+
+    async def retire(info: ObjectInfo) -> None:
+        if await upkeep.retire_unnamed(info.key, stamp=info.stamp, older_than_s=unnamed_age):
             report.stale_versions_removed += 1
+
+    await _gather(concurrency, [retire(info) for info in extra], report)
     swept = {(info.key, info.stamp) for info in extra} | {(info.key, PART) for info in part_objects}
-    for key, stamp in await index.staging.expired_intents(older_than_s=unnamed_age):  # writers gone, objects not listed
-        if (key, stamp) in swept:
-            continue
-        if stamp != PART:
-            await _deferring(upkeep.retire_unnamed(key, stamp=stamp, older_than_s=unnamed_age), report)
-        else:
-            await _deferring(_retire_part_object(store, index, key, older_than_s=unnamed_age), report)
+    expired = await patiently(
+        lambda: index.staging.expired_intents(older_than_s=unnamed_age), what="expired intents", until=until
+    )
+    gone = [(key, stamp) for key, stamp in expired if (key, stamp) not in swept]  # writers gone, objects not listed
+    await _gather(
+        concurrency,
+        [
+            _retire_version(upkeep, key, stamp=stamp, older_than_s=unnamed_age)
+            if stamp != PART
+            else _retire_part_object(store, index, key, older_than_s=unnamed_age)
+            for key, stamp in gone
+        ],
+        report,
+    )
 
     # the tail: each step (a config, the idle uploads' sweep, a part object) deferred alone, as a key's above
-    known = set(await index.scans.namespace_names())
+    known = set(await patiently(index.scans.namespace_names, what="namespace names", until=until))
     for key in others:
         before = len(known)
         config = await _deferring(_adopt_config(store, index, key, known), report)
@@ -254,7 +274,7 @@ async def reconcile(
     empty = store.remove_empty_dirs(PARTS_PREFIX, older_than_s=stale_parts_s)
     report.part_dirs_removed = await _deferring(empty, report) or 0
 
-    usage = await index.scans.namespace_usage()
+    usage = await patiently(index.scans.namespace_usage, what="usage", until=until)
     report.blocks = sum(u.blocks for u in usage)
     report.bytes = sum(u.bytes for u in usage)
     report.seconds = time.monotonic() - began
@@ -273,6 +293,15 @@ async def reconcile(
         report.seconds,
     )
     return report
+
+
+async def _listing(store: BlockStore) -> list[ObjectInfo]:
+    """The store's whole listing (begun again from its start when tried again)."""
+    return [info async for info in store.list()]
+
+
+async def _retire_version(upkeep: Upkeep, key: str, *, stamp: str, older_than_s: float) -> None:
+    await upkeep.retire_unnamed(key, stamp=stamp, older_than_s=older_than_s)
 
 
 async def _described_parts(index: Index) -> set[str]:

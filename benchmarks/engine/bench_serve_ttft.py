@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import httpx
 
-from benchmarks.engine.runs import BLOCK, REPO, prompt_of
+from benchmarks.engine.runs import BLOCK, prompt_of, tiny_model
 from benchmarks.engine.serve_ttft import Server, one_by_one
 from benchmarks.engine.vllm_bench import bench_serve, compare_texts, summary_of
 from loopback.gateway import Gateway
@@ -171,9 +170,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = a.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        model = work / "model"
-        sizes = ["--layers", "8", "--hidden", "1024", "--heads", "16", "--kv-heads", "8"]
-        subprocess.run([py, str(REPO / "loopback/tiny_model.py"), str(model), *sizes], check=True)
+        model = tiny_model(py, work)
         for tokens in a.tokens:
             out["sizes"].append(one_size(py, model, work, tokens, a, extra))
             report(out["sizes"][-1], a.prompts)

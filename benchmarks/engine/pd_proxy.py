@@ -36,7 +36,6 @@ import os
 import re
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,7 +45,7 @@ from typing import Any
 import aiohttp
 import httpx
 
-from benchmarks.engine.runs import REPO, prompt_of
+from benchmarks.engine.runs import REPO, prompt_of, tiny_model
 from benchmarks.engine.serve_ttft import Server, one_by_one
 from benchmarks.engine.vllm_bench import bench_serve, compare_texts, full_blocks, prompt_tokens, summary_of
 from examples.pd_proxy import decode_body, prefill_body
@@ -188,9 +187,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = a.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        model = work / "model"
-        sizes = ["--layers", "8", "--hidden", "1024", "--heads", "16", "--kv-heads", "8"]
-        subprocess.run([py, str(REPO / "loopback/tiny_model.py"), str(model), *sizes], check=True)
+        model = tiny_model(py, work)
         m, max_len = str(model), int(a.tokens * 1.25) + 256
 
         def serve(label: str, url: str | None, role: str = "kv_both", tp: int = 1) -> Server:

@@ -29,6 +29,17 @@ TOKENS_PER_WORD = 1.95
 """The tiny model's BPE gives about this many tokens per word."""
 
 
+TINY_SIZES = ("--layers", "8", "--hidden", "1024", "--heads", "16", "--kv-heads", "8")
+"""The engine benchmarks' model (loopback/tiny_model.py): a random 8-layer Llama, 32 KiB of KV per token."""
+
+
+def tiny_model(py: str, work: Path) -> Path:
+    """Write the benchmarks' tiny model under ``work`` with the engine venv's ``py``; its directory."""
+    model = work / "model"
+    subprocess.run([py, str(REPO / "loopback/tiny_model.py"), str(model), *TINY_SIZES], check=True)
+    return model
+
+
 def prompt_of(tokens: int, seed: int) -> str:
     return " ".join(words(int(tokens / TOKENS_PER_WORD), seed=seed))
 

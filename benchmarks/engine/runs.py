@@ -6,6 +6,7 @@ PATH) or, failing that, moto's server when it is installed; with neither it is l
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -38,6 +39,24 @@ def tiny_model(py: str, work: Path) -> Path:
     model = work / "model"
     subprocess.run([py, str(REPO / "loopback/tiny_model.py"), str(model), *TINY_SIZES], check=True)
     return model
+
+
+def server_options(ap: argparse.ArgumentParser) -> None:
+    """The options of the scripts that start ``vllm serve`` servers: kvgate connector settings, vllm serve
+    arguments, where the figures and the servers' logs go."""
+    ap.add_argument(
+        "--connector", action="append", default=[], metavar="KEY=JSON", help="a kvgate connector setting (repeatable)"
+    )
+    ap.add_argument(
+        "--engine-arg", action="append", default=[], metavar="ARG", help="a vllm serve argument (repeatable)"
+    )
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--work", type=Path, default=None, help="keep the servers' logs there (default: a temp dir)")
+
+
+def connector_settings(a: argparse.Namespace) -> dict[str, Any]:
+    """``--connector KEY=JSON`` options as the connector's extra config."""
+    return {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in a.connector)}
 
 
 def prompt_of(tokens: int, seed: int) -> str:

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import aiohttp
 import httpx
 
-from benchmarks.engine.runs import REPO, plain_gets, prompt_of, tiny_model
+from benchmarks.engine.runs import REPO, connector_settings, plain_gets, prompt_of, server_options, tiny_model
 from loopback.gateway import Gateway, LoopbackProcess
 from loopback.tiny_model import words
 
@@ -264,14 +264,7 @@ def main() -> None:
     ap.add_argument("--misses", type=int, default=2)
     ap.add_argument("--behind-tokens", type=int, default=0, help="hits behind misses decoding N tokens (0: no phase)")
     ap.add_argument("--behind-delay", type=float, default=0.3, help="seconds between the misses and the hits behind")
-    ap.add_argument(
-        "--connector", action="append", default=[], metavar="KEY=JSON", help="a kvgate connector setting (repeatable)"
-    )
-    ap.add_argument(
-        "--engine-arg", action="append", default=[], metavar="ARG", help="a vllm serve argument (repeatable)"
-    )
-    ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--work", type=Path, default=None, help="keep the servers' logs there (default: a temp dir)")
+    server_options(ap)
     a = ap.parse_args()
     py = os.environ.get("KVGATE_ENGINE_PYTHON") or ap.error("set KVGATE_ENGINE_PYTHON (../shared/vllm-cpu.sh)")
     load_before = " ".join(Path("/proc/loadavg").read_text().split()[:3])
@@ -292,7 +285,7 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         model = tiny_model(py, work)
         max_len = int(a.tokens * 1.25) + 256
-        extra = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in a.connector)}
+        extra = connector_settings(a)
         gw = Gateway(work / "data").start()
         try:
 

@@ -27,15 +27,17 @@ REQUESTS = 8
 STORES_LATE_S = 1.0
 
 
-def consumer(client: BlockClient) -> SchedulerPlanner:
+def consumer(client: BlockClient, *, prefill_tokens_s: float, lookup_enabled: bool = True) -> SchedulerPlanner:
+    """A P/D consumer's scheduler side that has measured ``prefill_tokens_s`` (0: nothing measured yet)."""
     return SchedulerPlanner(
         client=client,
         keys=KeyScheme(namings=[run_naming(tp=1, rank=0, dtype=DTYPE)], num_groups=1),
         block_size=BLOCK,
         hash_block_size=BLOCK,
-        cost=CostModel(CostSettings(lookup_rtt_prior_s=0.0, prefill_tokens_s=PROMPT / ONE_RECOMPUTE_S)),
+        cost=CostModel(CostSettings(lookup_rtt_prior_s=0.0, prefill_tokens_s=prefill_tokens_s)),
         block_bytes=1,
         lookup_deadline_s=5.0,
+        lookup_enabled=lookup_enabled,
         store_enabled=False,
     )
 
@@ -47,7 +49,7 @@ def client(gateway: Gateway) -> Iterator[BlockClient]:
 
 
 def test_the_back_of_the_queue_waits_for_late_stores_and_loads(gateway: Gateway, client: BlockClient) -> None:
-    d = consumer(client)
+    d = consumer(client, prefill_tokens_s=PROMPT / ONE_RECOMPUTE_S)
     reqs = [(f"r{i}", hashes(300 + i, BLOCKS)) for i in range(REQUESTS)]
     waits = []
     for req_id, hs in reqs:  # the consumer's scheduler reaches each request in turn; none is stored yet
@@ -92,16 +94,7 @@ def test_the_back_of_the_queue_waits_for_late_stores_and_loads(gateway: Gateway,
 
 def test_prefill_done_or_loading_ahead_is_not_counted() -> None:
     with BlockClient(ClientConfig(base_url=f"http://127.0.0.1:{free_port()}")) as c:
-        d = SchedulerPlanner(
-            client=c,
-            keys=KeyScheme(namings=[run_naming(tp=1, rank=0, dtype=DTYPE)], num_groups=1),
-            block_size=BLOCK,
-            hash_block_size=BLOCK,
-            cost=CostModel(CostSettings(lookup_rtt_prior_s=0.0, prefill_tokens_s=100.0)),
-            block_bytes=1,
-            lookup_enabled=False,
-            store_enabled=False,
-        )
+        d = consumer(c, prefill_tokens_s=100.0, lookup_enabled=False)
         assert d.handoff_wait_s(req_id="x", tokens=100, most_s=30.0) == pytest.approx(1.0)  # an empty queue
         d.matched_tokens(req_id="a", block_hashes=list(hashes(1, 3)), num_tokens=300, num_computed_tokens=0)
         assert d.handoff_wait_s(req_id="x", tokens=100, most_s=30.0) == pytest.approx(4.0)  # behind a's 300
@@ -112,11 +105,5 @@ def test_prefill_done_or_loading_ahead_is_not_counted() -> None:
         d.scheduled(req_id="a", new_block_ids=None, num_computed_tokens=200, num_scheduled_tokens=100)
         assert d.handoff_wait_s(req_id="x", tokens=100, most_s=30.0) == pytest.approx(1.0)  # a decodes now
         d.finished("a")
-        unmeasured = SchedulerPlanner(
-            client=c,
-            keys=KeyScheme(namings=[run_naming(tp=1, rank=0, dtype=DTYPE)], num_groups=1),
-            block_size=BLOCK,
-            hash_block_size=BLOCK,
-            cost=CostModel(CostSettings(lookup_rtt_prior_s=0.0)),
-        )
+        unmeasured = consumer(c, prefill_tokens_s=0.0, lookup_enabled=False)
         assert unmeasured.handoff_wait_s(req_id="x", tokens=100, most_s=2.0) == 2.0  # no prefill rate: the most
